@@ -1,0 +1,38 @@
+# Two entry points (README): `make train` and `make test`. Each creates .venv and installs
+# only what is missing; torch is installed first from the pinned CPU build so nothing pulls CUDA.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install train test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+# The full suite, slow reproductions included (this is what CI runs).
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+# Everything but the `slow` reproductions.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
