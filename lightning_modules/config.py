@@ -1,0 +1,223 @@
+"""Structured configs (OmegaConf dataclasses) for `train.py`: one schema, validated on load.
+
+YAML files merge in order over these defaults, then `dotted.key=value` overrides; an unknown key or a
+wrong type is a one-line `ConfigError` naming the key (with close matches).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type, missing or unreadable file, inconsistent values."""
+
+
+@dataclass
+class DataConfig:
+    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    min_len: int = 8
+    max_len: int = 16
+    n_train: int = 8000
+    n_val: int = 500
+    n_test: int = 1000
+    batch_size: int = 64
+    # Fraction of an expert's training inputs planted with one of its source letters.
+    source_prob: float = 0.5
+    # None: compositional inputs contain every expert's sources; else a random subset of at least this many.
+    compositional_min_experts: int | None = None
+    num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """A model built from scratch (`arch`) or loaded from a local HF folder (`pretrained_path`)."""
+
+    arch: str = "llama"  # llama | gpt2
+    pretrained_path: str | None = None
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_position_embeddings: int = 64
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1  # linear warm-up, then cosine decay to 0 over max_steps
+
+
+@dataclass
+class BackgroundConfig:
+    # An existing background (HF model folder, or an export folder's `background/`): skips training.
+    path: str | None = None
+    max_steps: int = 600
+    # Prefix corruption ρ (METHOD.md §5): teacher-forced output letters replaced at random, targets clean.
+    corruption_prob: float = 0.2
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ExpertSpec:
+    name: str = "???"
+    rules: dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0
+
+
+@dataclass
+class LoraSettings:
+    r: int = 8
+    alpha: int = 16
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ExpertTrainingConfig:
+    mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    max_steps: int = 150
+    corruption_prob: float = 0.2
+    # The off-mask regularizer of METHOD.md §4: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
+    reg_weight: float = 1.0
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | log_ratio
+    jsd_beta: float = 0.5
+    temperature: float = 1.0
+    reg_data: str = "own"  # own | background | composition | own+background
+    task_loss_on_mask_only: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class CompositionConfig:
+    # Earlier exports whose experts join the composition (trained against the same background).
+    compose_with: list[str] = field(default_factory=list)
+    allow_overlap: bool = False
+    active_threshold: float = 0.01  # divergence (nats) above which a position counts as "active"
+    eval_batch_size: int = 250
+    # Validation-time composition: how many compositional val inputs to decode (None: all).
+    val_limit: int | None = 200
+
+
+@dataclass
+class TrainerConfig:
+    """Passed to `lightning.Trainer` (see configs/trainer/ for cpu, gpu, ddp, fsdp)."""
+
+    accelerator: str = "cpu"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    val_check_interval: int = 50  # validation (and composition) every N training steps
+    log_every_n_steps: int = 25
+    enable_progress_bar: bool = True
+    limit_val_batches: Any = 1.0
+    num_sanity_val_steps: int = 0
+
+
+@dataclass
+class RunConfig:
+    experiment: str = "letters"
+    seed: int = 0
+    output_dir: str | None = None  # default: runs/<experiment>/<timestamp>
+    ckpt_path: str | None = None  # "last": resume the interrupted stage from output_dir's checkpoints
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    expert: ExpertTrainingConfig = field(default_factory=ExpertTrainingConfig)
+    experts: list[ExpertSpec] = field(default_factory=list)
+    composition: CompositionConfig = field(default_factory=CompositionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Ablations and baselines run after the main pipeline (see lightning_modules/ablations.py).
+    ablations: list[str] = field(default_factory=list)
+    baselines: list[str] = field(default_factory=list)
+    report: bool = True
+
+
+CHOICES = {
+    "model.arch": ("llama", "gpt2"),
+    "expert.mode": ("lora", "full"),
+    "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
+    "expert.reg_data": ("own", "background", "composition", "own+background"),
+}
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            full = f"{prefix}{k}"
+            keys.append(full)
+            keys.extend(_all_keys(node._get_node(k), full + "."))
+    return keys
+
+
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    msg = getattr(err, "msg", str(err)).splitlines()[0]
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
+        close = difflib.get_close_matches(key, _all_keys(schema), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return ConfigError(f"{source}: unknown config key '{key}'{hint}")
+    return ConfigError(f"{source}: bad value for '{key}': {msg}" if key else f"{source}: {msg}")
+
+
+def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
+                base: str | Path | None = None) -> DictConfig:
+    """Merge `base` (the embedded default YAML), then `files` in order, then dotted overrides."""
+    schema = OmegaConf.structured(RunConfig)
+    cfg = schema
+    sources = ([str(base)] if base else []) + list(files)
+    for path in sources:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as e:  # yaml errors, permissions
+            raise ConfigError(f"cannot read config file {path}: {str(e).splitlines()[0]}") from None
+        try:
+            cfg = OmegaConf.merge(cfg, loaded)
+        except OmegaConfBaseException as e:
+            raise _explain(e, schema, path) from None
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            raise _explain(e, schema, "command line") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks the schema cannot express: choices, names, ranges."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    names = [e.name for e in cfg.experts]
+    for i, name in enumerate(names):
+        if name in ("???", "") or not str(name).replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"experts[{i}].name={name!r}: give each expert a name of letters, digits, _ or -")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"experts: duplicate expert name(s) {', '.join(dupes)}")
+    for key in ("background.corruption_prob", "expert.corruption_prob", "data.source_prob"):
+        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
+            raise ConfigError(f"{key} must be in [0, 1], got {OmegaConf.select(cfg, key)}")
+    if cfg.expert.reg_weight < 0:
+        raise ConfigError(f"expert.reg_weight must be >= 0, got {cfg.expert.reg_weight}")
+    if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
+        raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path}")

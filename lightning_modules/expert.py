@@ -1,0 +1,219 @@
+"""Experts trained to be composable: task NLL plus the off-mask regularizer of METHOD.md §4.
+
+Several experts train at once. With LoRA (default) they are adapters of one `PeftModel` on the frozen
+background, and a batch mixing the experts' rows is ONE forward with peft's per-row `adapter_names`; the
+background's distribution comes from the same model under `disable_adapter()` and `no_grad`. With full
+fine-tuning each expert is its own copy and the background a frozen copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import lightning.pytorch as pl
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from compose import ComposedLM
+from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
+from lightning_modules.optim import adamw_with_schedule
+from losses import off_mask_divergence, task_nll
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    # peft refuses per-row `adapter_names` in training mode; our adapters and base models run without
+    # dropout (lora_dropout=0), so eval mode changes nothing in the forward and gradients still flow.
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+class ExpertLM(pl.LightningModule):
+    """Fine-tunes one or more experts against a frozen background.
+
+    Args:
+        background: the background HF causal LM (frozen; LoRA adapters are attached to it).
+        names: the experts trained here; a batch's `expert_index` indexes this list.
+        mode: "lora" (peft adapters) or "full" (a full copy per expert).
+        lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
+        reg_weight: λ of the regularizer; 0 is plain fine-tuning.
+        divergence, jsd_beta, temperature: the divergence `D` (see `losses.divergence`).
+        task_loss_on_mask_only: score the task NLL on mask positions only.
+        frozen_adapters: {name: adapter folder} of experts trained earlier, loaded (not trained) so
+            they join the composition evaluated in validation.
+        weights: composition weight per expert name (default 1).
+        active_threshold: divergence above which a position counts as active (precision/recall).
+    """
+
+    def __init__(
+        self,
+        background: PreTrainedModel,
+        names: Sequence[str],
+        *,
+        mode: str = "lora",
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        target_modules: str | Sequence[str] = "all-linear",
+        reg_weight: float = 1.0,
+        divergence: str = "forward_kl",
+        jsd_beta: float = 0.5,
+        temperature: float = 1.0,
+        task_loss_on_mask_only: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.1,
+        max_steps: int = 150,
+        frozen_adapters: Mapping[str, str] | None = None,
+        weights: Mapping[str, float] | None = None,
+        active_threshold: float = 0.01,
+        log_every_n_steps: int = 25,
+    ) -> None:
+        super().__init__()
+        if not names:
+            raise ValueError("ExpertLM needs at least one expert name")
+        self.save_hyperparameters(ignore=["background"])
+        self.names = list(names)
+        self.frozen_names = list(frozen_adapters or {})
+        for p in background.parameters():
+            p.requires_grad_(False)
+        if mode == "lora":
+            config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, bias="none",
+                                target_modules=target_modules, task_type="CAUSAL_LM")
+            self.model: nn.Module = get_peft_model(background, config, adapter_name=self.names[0])
+            for name in self.names[1:]:
+                self.model.add_adapter(name, config)
+            for name, path in (frozen_adapters or {}).items():
+                self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+            self.model.set_requires_grad(self.names, True)
+        elif mode == "full":
+            if frozen_adapters:
+                raise ValueError("frozen_adapters (compose_with) needs mode='lora'")
+            self.background = background.eval()
+            self.experts = nn.ModuleDict({n: copy.deepcopy(background) for n in self.names})
+            for p in self.experts.parameters():
+                p.requires_grad_(True)
+        else:
+            raise ValueError(f"mode={mode!r} is not one of lora, full")
+        metric = lambda region: nn.ModuleDict({n: MaskedDivergence(region=region) for n in self.names})  # noqa: E731
+        self.val_off_mask_kl, self.val_on_mask_kl = metric("off"), metric("on")
+        self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=active_threshold) for n in self.names})
+
+    # --- forwards -----------------------------------------------------------------------------
+    def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor) -> Tensor:
+        """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA."""
+        if self.hparams.mode == "lora":
+            adapter_names = [self.names[i] for i in expert_index.tolist()]
+            with _eval_mode(self.model):
+                return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                  adapter_names=adapter_names).logits
+        out = None
+        for i, name in enumerate(self.names):
+            rows = (expert_index == i).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            logits = self.experts[name](input_ids=input_ids[rows], attention_mask=attention_mask[rows]).logits
+            if out is None:
+                out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
+            out = out.index_copy(0, rows, logits)
+        return out
+
+    @torch.no_grad()
+    def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        if self.hparams.mode == "full":
+            return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
+        model = self.peft_model
+        with model.disable_adapter(), _eval_mode(model):
+            # A wrapper (FSDP, say) that re-enables adapters would silently regularize toward the expert.
+            if any(not m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer)):
+                raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")
+            return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    @property
+    def peft_model(self) -> PeftModel:
+        model = self.model
+        while not isinstance(model, PeftModel) and hasattr(model, "module"):  # DDP/FSDP wrappers
+            model = model.module
+        return model
+
+    def composed_model(self, tokenizer=None, names: Sequence[str] | None = None) -> ComposedLM:
+        """The background composed with `names` (default: every expert in play, trained and frozen)."""
+        weights = self.hparams.weights or {}
+        names = list(names) if names is not None else self.names + self.frozen_names
+        w = [float(weights.get(n, 1.0)) for n in names]
+        if self.hparams.mode == "lora":
+            return ComposedLM.from_peft(self.peft_model, names, weights=w, tokenizer=tokenizer)
+        return ComposedLM(self.background, [self.experts[n] for n in names], weights=w, names=names,
+                          tokenizer=tokenizer)
+
+    # --- training -----------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        h = self.hparams
+        ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
+        own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
+        expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
+        logits = self.expert_logits(ids, attn, expert_index)
+        nll = task_nll(logits[is_task], targets[is_task], own_mask[is_task], on_mask_only=h.task_loss_on_mask_only)
+        loss = nll
+        log_now = self.global_step % h.log_every_n_steps == 0
+        bg = self.background_logits(ids, attn) if (h.reg_weight > 0 or log_now) else None
+        if h.reg_weight > 0:
+            reg = off_mask_divergence(logits, bg, targets, own_mask, kind=h.divergence, beta=h.jsd_beta,
+                                      temperature=h.temperature)
+            loss = loss + h.reg_weight * reg
+            self.log("train/reg", reg)
+        self.log("train/loss", loss, prog_bar=True)
+        if log_now:
+            self._log_per_expert(logits.detach(), bg, targets, own_mask, expert_index, is_task)
+        return loss
+
+    @torch.no_grad()
+    def _log_per_expert(self, logits, bg, targets, own_mask, expert_index, is_task) -> None:
+        for i, name in enumerate(self.names):
+            rows = expert_index == i
+            task_rows = rows & is_task
+            if task_rows.any():
+                self.log(f"train/{name}/nll", task_nll(logits[task_rows], targets[task_rows]))
+            if rows.any():
+                kl = off_mask_divergence(logits[rows], bg[rows], targets[rows], own_mask[rows], kind="forward_kl")
+                self.log(f"train/{name}/off_mask_kl", kl)
+
+    # --- validation: each expert on its own data (the composition is evaluated by a callback) ---
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
+        own_mask, expert_index = batch["masks"][:, 0], batch["expert_index"]
+        logits = self.expert_logits(ids, attn, expert_index)
+        bg = self.background_logits(ids, attn)
+        for i, name in enumerate(self.names):
+            rows = expert_index == i
+            if not rows.any():
+                continue
+            args = (logits[rows], bg[rows], targets[rows], own_mask[rows])
+            self.val_off_mask_kl[name].update(*args)
+            self.val_on_mask_kl[name].update(*args)
+            self.val_active[name].update(*args)
+            self.log(f"val/{name}/nll", task_nll(logits[rows], targets[rows]), batch_size=int(rows.sum()))
+
+    def on_validation_epoch_end(self) -> None:
+        for name in self.names:
+            if self.val_off_mask_kl[name].update_count == 0:
+                continue
+            self.log(f"val/{name}/off_mask_kl", self.val_off_mask_kl[name].compute())
+            self.log(f"val/{name}/on_mask_kl", self.val_on_mask_kl[name].compute())
+            pr = self.val_active[name].compute()
+            self.log(f"val/{name}/active_precision", pr["precision"])
+            self.log(f"val/{name}/active_recall", pr["recall"])
+            for m in (self.val_off_mask_kl, self.val_on_mask_kl, self.val_active):
+                m[name].reset()
+
+    def configure_optimizers(self) -> dict:
+        h = self.hparams
+        return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
