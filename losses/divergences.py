@@ -1,0 +1,99 @@
+"""Per-position divergences between an expert's and the background's next-token distributions.
+
+Every divergence here takes logits (or log-probs) ``[..., V]`` of the expert and of the background
+and returns one float32 value per position ``[...]``. The background side is the reference and is
+treated as a constant (detached): gradients reach the expert only.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+IGNORE_INDEX = -100
+"""Target id of a position that is not scored (prompt, padding), as in ``F.cross_entropy``."""
+
+DIVERGENCE_KINDS = ("forward_kl", "reverse_kl", "jsd", "log_ratio")
+"""Allowed values of ``kind`` in :func:`divergence`."""
+
+LOG_RATIO_FLOOR = -1e4
+"""Floor on log-probs in the ``log_ratio`` penalty, the same as ``compose_logprobs``'s ``min_logprob``."""
+
+
+def check_divergence_args(kind: str, beta: float = 0.5, temperature: float = 1.0) -> None:
+    """Raise ``ValueError`` if ``kind``, ``beta`` or ``temperature`` is not allowed."""
+    if kind not in DIVERGENCE_KINDS:
+        raise ValueError(f"unknown divergence kind {kind!r}; allowed kinds: {', '.join(DIVERGENCE_KINDS)}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must lie in [0, 1] for the generalized JSD, got {beta}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def divergence(
+    expert_logits: Tensor,
+    background_logits: Tensor,
+    kind: str = "forward_kl",
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Divergence between expert and background next-token distributions, one value per position.
+
+    With ``lp_i = log_softmax(expert_logits / T)`` and ``lp_b = log_softmax(background_logits / T)``:
+
+    - ``"forward_kl"``: ``KL(p_b ‖ p_i) = Σ_v p_b (lp_b − lp_i)`` (background as the reference).
+    - ``"reverse_kl"``: ``KL(p_i ‖ p_b)``.
+    - ``"jsd"``: generalized JSD, ``β·KL(p_b ‖ m) + (1 − β)·KL(p_i ‖ m)`` with
+      ``m = β·p_b + (1 − β)·p_i`` (``log m`` by logsumexp). It lies in ``[0, H(β)]``,
+      ``H(β) = −β log β − (1 − β) log(1 − β)`` (``log 2`` at ``β = 0.5``, where it is symmetric).
+    - ``"log_ratio"``: ``mean_v (r − mean_v r)²`` with ``r = lp_i − lp_b``, the variance over the
+      vocabulary of the log-ratio. Unlike KL it weighs every token alike, so it also controls the
+      tail log-ratios that add up inside a composition (METHOD.md §5). It is invariant to adding a
+      per-position constant to either side's logits. Log-probs are floored at ``LOG_RATIO_FLOOR``
+      (as ``compose_logprobs`` does), so a zero-probability token gives a finite value.
+
+    The result is not rescaled by ``T²``.
+
+    Args:
+        expert_logits: ``[..., V]`` logits or log-probs of the expert (gradients flow here).
+        background_logits: ``[..., V]`` logits or log-probs of the background (detached).
+        kind: one of ``DIVERGENCE_KINDS``.
+        beta: weight of the background in the JSD mixture, in ``[0, 1]``.
+        temperature: log-probs are computed from ``logits / temperature``.
+
+    Returns:
+        float32 tensor ``[...]`` (the input shape without the vocabulary axis).
+    """
+    check_divergence_args(kind, beta, temperature)
+    if expert_logits.shape != background_logits.shape:
+        raise ValueError(
+            f"expert_logits has shape {tuple(expert_logits.shape)} but background_logits has "
+            f"{tuple(background_logits.shape)}"
+        )
+    lp_i = (expert_logits.float() / temperature).log_softmax(-1)
+    lp_b = (background_logits.detach().float() / temperature).log_softmax(-1)
+
+    if kind == "forward_kl":
+        return _kl(lp_b, lp_i)
+    if kind == "reverse_kl":
+        return _kl(lp_i, lp_b)
+    if kind == "jsd":
+        return _generalized_jsd(lp_i, lp_b, beta)
+    r = lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)
+    return (r - r.mean(-1, keepdim=True)).pow(2).mean(-1)
+
+
+def _kl(lp_p: Tensor, lp_q: Tensor) -> Tensor:
+    """``KL(p ‖ q) = Σ_v p (lp_p − lp_q)`` from log-probs, with ``0 · log 0 = 0`` (no NaN, in value or grad)."""
+    p = lp_p.exp()
+    diff = (lp_p - lp_q).where(p > 0, 0.0)
+    return (p * diff).sum(-1)
+
+
+def _generalized_jsd(lp_i: Tensor, lp_b: Tensor, beta: float) -> Tensor:
+    if beta == 0.0 or beta == 1.0:  # the mixture is one side: the divergence is 0 (skip 0 · inf)
+        return (lp_i - lp_i.detach()).sum(-1)
+    log_m = (lp_b + math.log(beta)).logaddexp(lp_i + math.log1p(-beta))
+    return beta * _kl(lp_b, log_m) + (1.0 - beta) * _kl(lp_i, log_m)

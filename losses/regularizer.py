@@ -1,0 +1,105 @@
+"""The task loss and the off-mask regularizer of METHOD.md §4.
+
+Conventions: logits ``[B, T, V]`` are already aligned with ``targets [B, T]`` (``logits[:, t]`` is
+scored against ``targets[:, t]``); ``targets == -100`` marks a position that is not a target
+(prompt, padding). ``mask [B, T]`` (bool) is the expert's own mask: the positions where it may
+differ from the background. Off-mask positions are target positions outside the mask; the
+``<eos>`` target lies outside every mask, so it is always off-mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from losses.divergences import IGNORE_INDEX, divergence
+
+REGIONS = ("off", "on")
+
+
+def region_positions(targets: Tensor, mask: Tensor, region: str = "off") -> Tensor:
+    """Boolean ``[B, T]``: target positions outside (``"off"``) or inside (``"on"``) ``mask``."""
+    if region not in REGIONS:
+        raise ValueError(f"unknown region {region!r}; allowed regions: {', '.join(REGIONS)}")
+    if mask.shape != targets.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but targets has {tuple(targets.shape)}")
+    is_target = targets != IGNORE_INDEX
+    mask = mask.to(device=targets.device, dtype=torch.bool)
+    return is_target & (mask if region == "on" else ~mask)
+
+
+def task_nll(
+    logits: Tensor, targets: Tensor, mask: Tensor | None = None, on_mask_only: bool = False
+) -> Tensor:
+    """Mean token negative log-likelihood over the target positions (``targets != -100``).
+
+    Args:
+        logits: ``[B, T, V]`` logits aligned with ``targets``.
+        targets: ``[B, T]`` token ids, ``-100`` where a position is not scored.
+        mask: ``[B, T]`` bool, the expert's mask; required when ``on_mask_only``.
+        on_mask_only: score only target positions inside ``mask``.
+
+    Returns:
+        0-dim float32 tensor; ``0.0`` (still attached to ``logits``' graph) when no position is scored.
+    """
+    _check_aligned(logits, targets)
+    if on_mask_only:
+        if mask is None:
+            raise ValueError("task_nll(on_mask_only=True) needs a mask")
+        keep = region_positions(targets, mask, "on")
+    else:
+        keep = targets != IGNORE_INDEX
+    nll = F.cross_entropy(
+        logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return nll.where(keep, 0.0).sum() / keep.sum().clamp_min(1)
+
+
+def off_mask_divergence(
+    expert_logits: Tensor,
+    background_logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    *,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    row_weight: Tensor | None = None,
+) -> Tensor:
+    """The regularizer of METHOD.md §4: ``mean_{t ∉ M_i} D(p_i(·|t), p_b(·|t))``.
+
+    The mean of :func:`losses.divergence` over the off-mask target positions (``targets != -100``
+    and not in ``mask``; the ``<eos>`` target included).
+
+    Args:
+        expert_logits: ``[B, T, V]`` expert logits (gradients flow here).
+        background_logits: ``[B, T, V]`` background logits or log-probs (treated as constant).
+        targets: ``[B, T]`` target ids aligned with the logits, ``-100`` where not a target.
+        mask: ``[B, T]`` bool, the expert's mask.
+        kind, beta, temperature: see :func:`losses.divergence`.
+        row_weight: optional ``[B]`` 0/1: only rows with a nonzero weight are regularized.
+
+    Returns:
+        0-dim float32 tensor; ``0.0`` (attached to the expert's graph) when there is no such position.
+    """
+    _check_aligned(expert_logits, targets)
+    keep = region_positions(targets, mask, "off")
+    if row_weight is not None:
+        if row_weight.shape != targets.shape[:1]:
+            raise ValueError(
+                f"row_weight has shape {tuple(row_weight.shape)}, expected [B] = [{targets.shape[0]}]"
+            )
+        keep = keep & (row_weight.to(keep.device) != 0).unsqueeze(1)
+    per_position = divergence(
+        expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature
+    )
+    return per_position.sum() / keep.sum().clamp_min(1)
+
+
+def _check_aligned(logits: Tensor, targets: Tensor) -> None:
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] aligned with targets [B, T]; got logits {tuple(logits.shape)} "
+            f"and targets {tuple(targets.shape)}"
+        )

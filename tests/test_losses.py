@@ -1,0 +1,239 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from losses import DIVERGENCE_KINDS, divergence, off_mask_divergence, task_nll
+
+V = 7
+
+
+def _pair(seed: int = 0, shape=(3, 4), scale: float = 2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, V, generator=g) * scale, torch.randn(*shape, V, generator=g) * scale
+
+
+# ---- float64 references written from the formulas ----------------------------------------------
+
+
+def ref_kl(p, q):  # probabilities, float64
+    return (p * (p.log() - q.log())).sum(-1)
+
+
+def reference(expert, background, kind, beta=0.5, temperature=1.0):
+    p_i = (expert.double() / temperature).softmax(-1)
+    p_b = (background.double() / temperature).softmax(-1)
+    if kind == "forward_kl":
+        return ref_kl(p_b, p_i)
+    if kind == "reverse_kl":
+        return ref_kl(p_i, p_b)
+    if kind == "jsd":
+        m = beta * p_b + (1 - beta) * p_i
+        return beta * ref_kl(p_b, m) + (1 - beta) * ref_kl(p_i, m)
+    r = p_i.log() - p_b.log()
+    return ((r - r.mean(-1, keepdim=True)) ** 2).mean(-1)
+
+
+@pytest.mark.parametrize("kind", DIVERGENCE_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+def test_each_kind_matches_float64_formula(kind, temperature):
+    e, b = _pair(1)
+    out = divergence(e, b, kind, beta=0.3, temperature=temperature)
+    assert out.shape == (3, 4) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(e, b, kind, 0.3, temperature), atol=1e-5, rtol=1e-4)
+
+
+def test_forward_and_reverse_kl_match_torch_kl_div():
+    e, b = _pair(2)
+    lp_e, lp_b = e.log_softmax(-1), b.log_softmax(-1)
+    fwd = F.kl_div(lp_e, lp_b, log_target=True, reduction="none").sum(-1)  # KL(p_b || p_e)
+    rev = F.kl_div(lp_b, lp_e, log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(divergence(e, b, "forward_kl"), fwd, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(divergence(e, b, "reverse_kl"), rev, atol=1e-6, rtol=1e-5)
+    # Log-probs in, same answer as logits in.
+    torch.testing.assert_close(divergence(lp_e, lp_b, "forward_kl"), fwd, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", DIVERGENCE_KINDS)
+def test_nonnegative_and_zero_for_identical_inputs(kind):
+    e, b = _pair(3, shape=(50,), scale=4.0)
+    assert (divergence(e, b, kind) >= 0).all()
+    assert divergence(e, b, kind).min() > 0  # random pairs do differ
+    torch.testing.assert_close(divergence(b.clone(), b, kind), torch.zeros(50), atol=1e-6, rtol=0)
+
+
+def test_log_ratio_is_invariant_to_per_position_constants():
+    e, b = _pair(4)
+    c_e, c_b = torch.randn(3, 4, 1) * 10, torch.randn(3, 4, 1) * 10
+    base = divergence(e, b, "log_ratio")
+    torch.testing.assert_close(divergence(e + c_e, b + c_b, "log_ratio"), base, atol=1e-4, rtol=1e-5)
+    # An expert that is the background plus a per-position constant has zero penalty.
+    torch.testing.assert_close(divergence(b + c_e, b, "log_ratio"), torch.zeros(3, 4), atol=1e-6, rtol=0)
+    # The penalty sees a tail token that KL barely sees: move only an improbable token by 3 nats.
+    bg = torch.tensor([[10.0, 0.0, 0.0, -10.0, 0.0, 0.0, 0.0]])
+    ex = bg.clone()
+    ex[0, 3] += 3.0
+    assert divergence(ex, bg, "forward_kl").item() < 1e-7
+    assert divergence(ex, bg, "log_ratio").item() == pytest.approx(9.0 * (1 / V) * (1 - 1 / V), rel=1e-4)
+
+
+def test_jsd_bounds_symmetry_and_extremes():
+    e, b = _pair(5, shape=(40,), scale=5.0)
+    for beta in (0.1, 0.3, 0.5, 0.9):
+        bound = -beta * math.log(beta) - (1 - beta) * math.log(1 - beta)
+        out = divergence(e, b, "jsd", beta=beta)
+        assert (out >= 0).all() and (out <= bound + 1e-6).all()
+    torch.testing.assert_close(divergence(e, b, "jsd", beta=0.5), divergence(b, e, "jsd", beta=0.5))
+    # beta and 1 - beta swap roles.
+    torch.testing.assert_close(divergence(e, b, "jsd", beta=0.2), divergence(b, e, "jsd", beta=0.8))
+    # Disjoint supports reach the bound log 2.
+    far_e = torch.tensor([[60.0, 0.0, 0.0]])
+    far_b = torch.tensor([[0.0, 60.0, 0.0]])
+    assert divergence(far_e, far_b, "jsd").item() == pytest.approx(math.log(2), rel=1e-5)
+    # beta in {0, 1}: the mixture is one side, the divergence 0.
+    for beta in (0.0, 1.0):
+        torch.testing.assert_close(divergence(e, b, "jsd", beta=beta), torch.zeros(40))
+
+
+def test_temperature_divides_logits():
+    e, b = _pair(6)
+    torch.testing.assert_close(divergence(e, b, "jsd", temperature=2.5), divergence(e / 2.5, b / 2.5, "jsd"))
+    # A high temperature flattens both sides towards uniform.
+    assert (divergence(e, b, temperature=100.0) < divergence(e, b)).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    e, b = _pair(7)
+    with pytest.raises(ValueError, match="forward_kl, reverse_kl, jsd, log_ratio"):
+        divergence(e, b, "kl")
+    with pytest.raises(ValueError, match="beta"):
+        divergence(e, b, "jsd", beta=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        divergence(e, b, temperature=0.0)
+    with pytest.raises(ValueError, match="background_logits"):
+        divergence(e, b[..., :5])
+
+
+def test_zero_probability_tokens_give_finite_values_and_grads():
+    b = torch.tensor([[2.0, 0.0, -float("inf"), 1.0]])
+    e = torch.tensor([[1.0, 0.5, 0.0, -1.0]], requires_grad=True)
+    for kind in ("forward_kl", "jsd", "log_ratio"):
+        out = divergence(e, b, kind)
+        assert torch.isfinite(out).all(), kind
+        (grad,) = torch.autograd.grad(out.sum(), e)
+        assert torch.isfinite(grad).all(), kind
+    # forward KL sums over the tokens the background allows only.
+    p_b = b.softmax(-1).double()
+    lp_e = e.detach().double().log_softmax(-1)
+    expected = sum(p_b[0, v] * (p_b[0, v].log() - lp_e[0, v]) for v in (0, 1, 3))
+    assert divergence(e, b, "forward_kl").item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_bf16_inputs_give_float32():
+    e, b = _pair(8)
+    out = divergence(e.bfloat16(), b.bfloat16(), "jsd")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, divergence(e.bfloat16().float(), b.bfloat16().float(), "jsd"))
+
+
+# ---- off_mask_divergence ----------------------------------------------------------------------
+
+# Two rows, T = 6. Row 0: prompt at 0-1, targets at 2-5, mask at 3, <eos> target at 5.
+# Row 1: prompt at 0, targets at 1-3 (eos at 3), padding at 4-5; the mask also covers padding 4
+# and the prompt 0 (a mask never turns a non-target into a target).
+TARGETS = torch.tensor([[-100, -100, 1, 2, 3, 6], [-100, 4, 5, 6, -100, -100]])
+MASK = torch.tensor([[False, False, False, True, False, False], [True, False, True, False, True, False]])
+OFF_MASK = [(0, 2), (0, 4), (0, 5), (1, 1), (1, 3)]  # by hand; (0, 5) and (1, 3) are the <eos> targets
+
+
+def _logits(seed=9):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 6, V, generator=g) * 2, torch.randn(2, 6, V, generator=g) * 2
+
+
+@pytest.mark.parametrize("kind", DIVERGENCE_KINDS)
+def test_off_mask_mean_over_exactly_the_hand_listed_positions(kind):
+    e, b = _logits()
+    per_position = reference(e, b, kind, beta=0.4, temperature=1.5)
+    expected = torch.stack([per_position[i, t] for i, t in OFF_MASK]).mean()
+    out = off_mask_divergence(e, b, TARGETS, MASK, kind=kind, beta=0.4, temperature=1.5)
+    assert out.dim() == 0 and out.dtype == torch.float32
+    assert out.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_off_mask_ignores_everything_but_off_mask_targets():
+    e, b = _logits(10)
+    # Expert equals the background exactly at the off-mask targets, differs everywhere else.
+    for i, t in OFF_MASK:
+        e[i, t] = b[i, t]
+    assert off_mask_divergence(e, b, TARGETS, MASK).item() == 0.0
+    assert off_mask_divergence(e, b, TARGETS, MASK, kind="log_ratio").item() == pytest.approx(0.0, abs=1e-7)
+    # Changing the <eos> target position alone makes it nonzero.
+    e[0, 5] += torch.arange(V, dtype=torch.float32)
+    expected = reference(e, b, "forward_kl")[0, 5] / len(OFF_MASK)
+    assert off_mask_divergence(e, b, TARGETS, MASK).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_off_mask_row_weight_and_empty_selection():
+    e, b = _logits(11)
+    per_position = reference(e, b, "forward_kl")
+    row0 = torch.stack([per_position[0, t] for t in (2, 4, 5)]).mean()
+    out = off_mask_divergence(e, b, TARGETS, MASK, row_weight=torch.tensor([1, 0]))
+    assert out.item() == pytest.approx(row0.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="row_weight"):
+        off_mask_divergence(e, b, TARGETS, MASK, row_weight=torch.tensor([1, 0, 1]))
+    # No off-mask target at all: 0.0, and backward still works.
+    e.requires_grad_(True)
+    out = off_mask_divergence(e, b, TARGETS, torch.ones_like(MASK))
+    assert out.item() == 0.0
+    out.backward()
+    assert torch.equal(e.grad, torch.zeros_like(e))
+
+
+def test_gradient_reaches_only_expert_logits_at_off_mask_targets():
+    e, b = _logits(12)
+    e.requires_grad_(True)
+    b.requires_grad_(True)
+    for kind in DIVERGENCE_KINDS:
+        e.grad = None
+        off_mask_divergence(e, b, TARGETS, MASK, kind=kind).backward()
+        assert b.grad is None, kind
+        touched = e.grad.abs().sum(-1) > 0
+        expected = torch.zeros(2, 6, dtype=torch.bool)
+        for i, t in OFF_MASK:
+            expected[i, t] = True
+        assert torch.equal(touched, expected), kind
+
+
+def test_shape_errors_name_the_argument():
+    e, b = _logits()
+    with pytest.raises(ValueError, match="mask"):
+        off_mask_divergence(e, b, TARGETS, MASK[:, :5])
+    with pytest.raises(ValueError, match="targets"):
+        off_mask_divergence(e, b, TARGETS[:, :5], MASK[:, :5])
+
+
+# ---- task_nll ---------------------------------------------------------------------------------
+
+
+def test_task_nll_equals_cross_entropy_with_ignore_index():
+    e, _ = _logits(13)
+    expected = F.cross_entropy(e.reshape(-1, V), TARGETS.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(task_nll(e, TARGETS), expected)
+    on_mask_targets = TARGETS.masked_fill(~MASK, -100)  # only (0, 3) and (1, 2)
+    expected_on = F.cross_entropy(e.reshape(-1, V), on_mask_targets.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(task_nll(e, TARGETS, MASK, on_mask_only=True), expected_on)
+    lp = e.log_softmax(-1)
+    assert expected_on.item() == pytest.approx(-(lp[0, 3, 2] + lp[1, 2, 5]).item() / 2, rel=1e-6)
+
+
+def test_task_nll_without_positions_is_zero_with_grad_and_needs_a_mask_for_on_mask():
+    e, _ = _logits(14)
+    e.requires_grad_(True)
+    out = task_nll(e, torch.full((2, 6), -100))
+    assert out.item() == 0.0 and out.requires_grad
+    out.backward()
+    assert torch.equal(e.grad, torch.zeros_like(e))
+    with pytest.raises(ValueError, match="mask"):
+        task_nll(e, TARGETS, on_mask_only=True)
