@@ -1,0 +1,505 @@
+"""The generative letter-replacement task (METHOD.md §3, §5), without Lightning.
+
+A sequence is ``<bos> x <sep> y <eos>``: ``x`` a random string over the alphabet, ``y`` the same string
+with some letters replaced, position by position. An expert owns a :class:`RuleSet` (``{source: target}``,
+e.g. ``{"A": "B"}``); the background copies (``y == x``). The mask of an expert is the set of positions
+whose *target* is a letter of ``y`` aligned with one of the expert's source letters in ``x``.
+
+Layout of one row, for ``n = len(x)``::
+
+    position   0      1 .. n    n+1     n+2 .. 2n+1   2n+2
+    input_ids  <bos>  x         <sep>   y             <eos>
+    targets    -100   -100      y[0]    y[1..n-1] <eos>  -100
+
+``targets`` are already shifted: ``logits[:, t]`` is scored against ``targets[:, t]``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+from torch import LongTensor, Tensor
+from transformers import PreTrainedTokenizerBase
+
+from data.tokenizer import letter_ids, validate_alphabet
+
+IGNORE_INDEX = -100
+
+# Column names build_letters_dataset writes itself; extra_columns may not reuse them.
+_BASE_COLUMNS = ("x", "y", "input_ids", "targets", "masks", "output_start", "output_len")
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """One expert's letter rules: ``{source letter: target letter}``, applied position-wise.
+
+    ``rules`` is copied into a plain ``dict`` (so an OmegaConf ``DictConfig`` is accepted).
+    """
+
+    name: str
+    rules: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", {str(k): str(v) for k, v in dict(self.rules).items()})
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.rules.items()))))
+
+    @property
+    def sources(self) -> frozenset[str]:
+        """The letters this expert rewrites."""
+        return frozenset(self.rules)
+
+    def apply(self, x: str) -> str:
+        """``x`` with every source letter replaced by its target (position-wise, not chained)."""
+        return "".join(self.rules.get(ch, ch) for ch in x)
+
+
+def validate_rule_sets(
+    rule_sets: Sequence[RuleSet], alphabet: str, allow_overlap: bool = False
+) -> list[str]:
+    """Check a set of experts' rules against ``alphabet`` and against each other.
+
+    Raises:
+        ValueError: (one line, naming the expert and the entry) if a name is empty or duplicated, an
+            expert has no rules, a rules key or value is not a single letter of ``alphabet``, a rule maps
+            a letter to itself, or two experts share a source letter while ``allow_overlap`` is False.
+
+    Returns:
+        With ``allow_overlap``: one human-readable line per shared source letter (empty if none).
+        Otherwise ``[]``.
+    """
+    validate_alphabet(alphabet)
+    letters = set(alphabet)
+    owner: dict[str, str] = {}
+    names: set[str] = set()
+    overlaps: list[str] = []
+    for rs in rule_sets:
+        if not isinstance(rs, RuleSet):
+            raise ValueError(f"expected a RuleSet, got {type(rs).__name__}: {rs!r}")
+        if not isinstance(rs.name, str) or not rs.name.strip():
+            raise ValueError(f"rule set with rules {dict(rs.rules)!r} has an empty name")
+        if rs.name in names:
+            raise ValueError(f"rule set name {rs.name!r} is used by more than one expert")
+        names.add(rs.name)
+        if not rs.rules:
+            raise ValueError(f"rule set {rs.name!r} has no rules")
+        for src, tgt in rs.rules.items():
+            for role, ch in (("key", src), ("value", tgt)):
+                if len(ch) != 1 or ch not in letters:
+                    raise ValueError(
+                        f"rule set {rs.name!r}: rules {role} {ch!r} (in {src!r}->{tgt!r}) is not a single "
+                        f"letter of the alphabet {alphabet!r}"
+                    )
+            if src == tgt:
+                raise ValueError(f"rule set {rs.name!r}: rule {src!r}->{tgt!r} maps a letter to itself")
+            if src in owner:
+                msg = f"source letter {src!r} is shared by experts {owner[src]!r} and {rs.name!r}"
+                if not allow_overlap:
+                    raise ValueError(f"{msg} (pass allow_overlap=True to permit overlapping experts)")
+                overlaps.append(msg)
+            else:
+                owner[src] = rs.name
+    return overlaps
+
+
+def combined_rules(rule_sets: Sequence[RuleSet]) -> dict[str, str]:
+    """All experts' rules merged into one ``{source: target}`` map.
+
+    Raises:
+        ValueError: if two experts map the same source letter to different targets.
+    """
+    merged: dict[str, str] = {}
+    who: dict[str, str] = {}
+    for rs in rule_sets:
+        for src, tgt in rs.rules.items():
+            if src in merged and merged[src] != tgt:
+                raise ValueError(
+                    f"experts {who[src]!r} and {rs.name!r} map source letter {src!r} to different targets "
+                    f"({merged[src]!r} vs {tgt!r}): the composed target is undefined"
+                )
+            merged[src], who[src] = tgt, rs.name
+    return merged
+
+
+def apply_rules(x: str, rule_sets: Sequence[RuleSet]) -> str:
+    """Apply every expert's rules to ``x`` at once.
+
+    The substitution is simultaneous and position-wise on the *input* letters, not chained:
+    ``{A: B}`` and ``{B: C}`` turn ``"AB"`` into ``"BC"``. No rule sets gives ``x`` back (copy task).
+    """
+    merged = combined_rules(rule_sets)
+    return "".join(merged.get(ch, ch) for ch in x)
+
+
+def _check_lengths(n: int, min_len: int, max_len: int) -> None:
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if min_len < 1 or max_len < min_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+
+
+def _sample_one(
+    rng: random.Random, alphabet: str, min_len: int, max_len: int, must_contain: Sequence[Sequence[str]]
+) -> str:
+    length = rng.randint(min_len, max_len)
+    chars = [rng.choice(alphabet) for _ in range(length)]
+    for pos, options in zip(rng.sample(range(length), len(must_contain)), must_contain, strict=True):
+        chars[pos] = rng.choice(options)
+    return "".join(chars)
+
+
+def _letter_sets(must_contain: Sequence[Iterable[str]], alphabet: str) -> list[list[str]]:
+    """Each set as a sorted list (set iteration order is not reproducible across processes)."""
+    out = []
+    for i, group in enumerate(must_contain):
+        options = sorted(set(group))
+        if not options:
+            raise ValueError(f"must_contain[{i}] is empty")
+        bad = [ch for ch in options if ch not in alphabet]
+        if bad:
+            raise ValueError(f"must_contain[{i}] has letters {bad} outside the alphabet {alphabet!r}")
+        out.append(options)
+    return out
+
+
+def sample_strings(
+    n: int,
+    alphabet: str,
+    min_len: int,
+    max_len: int,
+    seed: int,
+    must_contain: Sequence[Iterable[str]] = (),
+) -> list[str]:
+    """``n`` random strings over ``alphabet`` with lengths uniform in ``[min_len, max_len]``.
+
+    Each string contains at least one letter of every set in ``must_contain``: one letter of each set is
+    planted at a random position, all positions distinct. Deterministic given ``seed``.
+
+    Raises:
+        ValueError: if ``min_len < len(must_contain)`` (no room to plant), a set is empty or holds letters
+            outside the alphabet, or the lengths are invalid.
+    """
+    validate_alphabet(alphabet)
+    _check_lengths(n, min_len, max_len)
+    groups = _letter_sets(must_contain, alphabet)
+    if min_len < len(groups):
+        raise ValueError(
+            f"cannot plant {len(groups)} required letters in strings as short as min_len={min_len}: "
+            f"need min_len >= len(must_contain)"
+        )
+    rng = random.Random(seed)
+    return [_sample_one(rng, alphabet, min_len, max_len, groups) for _ in range(n)]
+
+
+def expert_inputs(
+    n: int,
+    alphabet: str,
+    min_len: int,
+    max_len: int,
+    seed: int,
+    rule_set: RuleSet,
+    source_prob: float = 0.5,
+) -> list[str]:
+    """Inputs for one expert's task: ``round(source_prob * n)`` of them (at random places in the list)
+    are planted with one of the expert's source letters, the rest are plain random strings."""
+    if not 0.0 <= source_prob <= 1.0:
+        raise ValueError(f"source_prob must be in [0, 1], got {source_prob}")
+    validate_alphabet(alphabet)
+    _check_lengths(n, min_len, max_len)
+    groups = _letter_sets([rule_set.sources], alphabet)
+    rng = random.Random(seed)
+    planted = set(rng.sample(range(n), round(source_prob * n)))
+    return [
+        _sample_one(rng, alphabet, min_len, max_len, groups if i in planted else []) for i in range(n)
+    ]
+
+
+def compositional_inputs(
+    n: int,
+    alphabet: str,
+    min_len: int,
+    max_len: int,
+    seed: int,
+    rule_sets: Sequence[RuleSet],
+    min_experts: int | None = None,
+) -> list[str]:
+    """Inputs that need several experts at once.
+
+    With ``min_experts=None`` every string contains a source letter of every expert in ``rule_sets``;
+    otherwise each string contains sources of a random subset of at least ``min_experts`` (>= 2) experts.
+    """
+    validate_alphabet(alphabet)
+    _check_lengths(n, min_len, max_len)
+    k = len(rule_sets)
+    if k == 0:
+        raise ValueError("compositional_inputs needs at least one rule set")
+    groups = _letter_sets([rs.sources for rs in rule_sets], alphabet)
+    if min_experts is None:
+        return sample_strings(n, alphabet, min_len, max_len, seed, must_contain=groups)
+    if not 2 <= min_experts <= k:
+        raise ValueError(f"min_experts must be in [2, {k}] for {k} rule sets, got {min_experts}")
+    if min_len < min_experts:
+        raise ValueError(f"min_len={min_len} is shorter than min_experts={min_experts}: no room to plant")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        subset = sorted(rng.sample(range(k), rng.randint(min_experts, min(k, min_len))))
+        out.append(_sample_one(rng, alphabet, min_len, max_len, [groups[j] for j in subset]))
+    return out
+
+
+def _special_id(tokenizer: PreTrainedTokenizerBase, attr: str) -> int:
+    value = getattr(tokenizer, attr, None)
+    if value is None:
+        raise ValueError(f"tokenizer has no {attr} (build it with data.tokenizer.build_char_tokenizer)")
+    return int(value)
+
+
+def build_letters_dataset(
+    xs: Sequence[str],
+    target_rule_sets: Sequence[RuleSet],
+    mask_rule_sets: Sequence[RuleSet],
+    tokenizer: PreTrainedTokenizerBase,
+    extra_columns: dict[str, Any] | None = None,
+) -> datasets.Dataset:
+    """Tokenize inputs into a ``datasets.Dataset`` of the letter task.
+
+    Args:
+        xs: input strings.
+        target_rule_sets: rules that produce ``y`` (all applied at once); empty for the copy task.
+        mask_rule_sets: the ``k`` experts whose masks to write (``masks`` has ``k`` rows per example).
+        tokenizer: a character tokenizer with ``bos/sep/eos`` tokens (see ``build_char_tokenizer``).
+        extra_columns: constant integer (or float) columns added to every row, e.g.
+            ``{"expert_index": 1, "is_task": 1}``.
+
+    Returns:
+        Columns ``x``, ``y``, ``input_ids``, ``targets`` (already shifted, ``-100`` off the output),
+        ``masks`` (``k`` lists of 0/1: 1 where the target is a letter of ``y`` aligned with a source
+        letter of that expert; the ``<eos>`` target is in no mask), ``output_start`` (index of ``y[0]``
+        in ``input_ids``, ``len(x) + 2``), ``output_len`` (``len(y)``), plus ``extra_columns``.
+    """
+    xs = list(xs)
+    extra = dict(extra_columns or {})
+    for key, value in extra.items():
+        if key in _BASE_COLUMNS:
+            raise ValueError(f"extra column {key!r} clashes with a built-in column {_BASE_COLUMNS}")
+        if not isinstance(value, int | float):
+            raise ValueError(f"extra column {key!r} must be an int or float constant, got {value!r}")
+    bos, sep, eos = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id", "eos_token_id"))
+    specials = set(tokenizer.all_special_tokens)
+    vocab = {tok: i for tok, i in tokenizer.get_vocab().items() if tok not in specials}
+    merged = combined_rules(target_rule_sets)
+    for src, tgt in merged.items():
+        for ch in (src, tgt):
+            if ch not in vocab:
+                raise ValueError(f"rule letter {ch!r} is not a letter of the tokenizer's vocabulary")
+    mask_sources = [set(rs.sources) for rs in mask_rule_sets]
+    for i, x in enumerate(xs):
+        if not isinstance(x, str) or not x:
+            raise ValueError(f"xs[{i}] must be a non-empty string, got {x!r}")
+        bad = sorted({ch for ch in x if ch not in vocab})
+        if bad:
+            raise ValueError(f"xs[{i}]={x!r} has characters {bad} that are not letters of the tokenizer")
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {c: [] for c in _BASE_COLUMNS[1:]}
+        for x in batch["x"]:
+            n = len(x)
+            y = "".join(merged.get(ch, ch) for ch in x)
+            input_ids = [bos, *(vocab[ch] for ch in x), sep, *(vocab[ch] for ch in y), eos]
+            targets = [IGNORE_INDEX] * len(input_ids)
+            targets[n + 1 : 2 * n + 2] = input_ids[n + 2 : 2 * n + 3]
+            masks = []
+            for sources in mask_sources:
+                row = [0] * len(input_ids)
+                for j, ch in enumerate(x):
+                    if ch in sources:
+                        row[n + 1 + j] = 1
+                masks.append(row)
+            for key, value in zip(
+                _BASE_COLUMNS[1:], (y, input_ids, targets, masks, n + 2, n), strict=True
+            ):
+                out[key].append(value)
+        for key, value in extra.items():
+            out[key] = [value] * len(batch["x"])
+        return out
+
+    features = datasets.Features(
+        {
+            "x": datasets.Value("string"),
+            "y": datasets.Value("string"),
+            "input_ids": datasets.List(datasets.Value("int64")),
+            "targets": datasets.List(datasets.Value("int64")),
+            "masks": datasets.List(datasets.List(datasets.Value("int8"))),
+            "output_start": datasets.Value("int64"),
+            "output_len": datasets.Value("int64"),
+            **{
+                key: datasets.Value("float32" if isinstance(v, float) else "int64")
+                for key, v in extra.items()
+            },
+        }
+    )
+    base = datasets.Dataset.from_dict({"x": xs}, features=datasets.Features({"x": datasets.Value("string")}))
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return base.map(encode, batched=True, batch_size=1000, features=features, keep_in_memory=True)
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+class LettersCollator:
+    """Pad letter-task rows into a batch, optionally corrupting teacher-forced output letters.
+
+    Output (``B`` rows, ``T`` = longest row, right padding): ``input_ids`` ``[B, T]`` (pad id),
+    ``attention_mask`` ``[B, T]``, ``targets`` ``[B, T]`` (``-100`` on padding), ``masks`` bool
+    ``[B, k, T]`` (False on padding), and every other integer column (``expert_index``, ``is_task``,
+    ``output_start``, ``output_len``) as a ``[B]`` tensor. String columns (``x``, ``y``) are dropped.
+
+    Prefix corruption (METHOD.md §5): each output letter in ``input_ids`` (positions
+    ``output_start .. output_start + output_len - 1``; never ``<bos>``, ``x``, ``<sep>`` or ``<eos>``) is
+    replaced with probability ``corruption_prob`` by a uniformly drawn *different* letter of the alphabet,
+    so ``corruption_prob`` is exactly the expected fraction of changed output letters. ``targets`` stay
+    clean. Corruption is drawn afresh at every call from ``generator`` (default: torch's global RNG, which
+    Lightning's ``seed_everything`` seeds and DataLoader workers reseed per worker; an explicit generator
+    is copied into each worker, so prefer the default with ``num_workers > 0``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        alphabet: str,
+        corruption_prob: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not 0.0 <= corruption_prob <= 1.0:
+            raise ValueError(f"corruption_prob must be in [0, 1], got {corruption_prob}")
+        self.pad_token_id = _special_id(tokenizer, "pad_token_id")
+        self.alphabet = alphabet
+        self.corruption_prob = float(corruption_prob)
+        self.generator = generator
+        self.letter_ids = torch.tensor(letter_ids(tokenizer, alphabet), dtype=torch.long)
+        size = max(len(tokenizer), int(self.letter_ids.max()) + 1)
+        self._letter_index = torch.full((size,), -1, dtype=torch.long)
+        self._letter_index[self.letter_ids] = torch.arange(len(alphabet))
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        if not rows:
+            raise ValueError("LettersCollator got an empty list of rows")
+        lengths = [len(row["input_ids"]) for row in rows]
+        bsz, width = len(rows), max(lengths)
+        k = len(rows[0]["masks"])
+        input_ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
+        targets = torch.full((bsz, width), IGNORE_INDEX, dtype=torch.long)
+        masks = torch.zeros((bsz, k, width), dtype=torch.bool)
+        for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            if len(row["masks"]) != k:
+                raise ValueError(
+                    f"rows in one batch have different numbers of masks: row 0 has k={k}, row {b} has "
+                    f"k={len(row['masks'])} (do not mix datasets built with different mask_rule_sets)"
+                )
+            if len(row["targets"]) != n:
+                raise ValueError(f"row {b}: targets length {len(row['targets'])} != input_ids length {n}")
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[b, :n] = 1
+            targets[b, :n] = torch.as_tensor(row["targets"], dtype=torch.long)
+            if k:
+                masks[b, :, :n] = torch.as_tensor(row["masks"]).reshape(k, n).bool()
+        batch: dict[str, Tensor] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "targets": targets,
+            "masks": masks,
+        }
+        for key, value in rows[0].items():
+            if key in batch or isinstance(value, str):
+                continue
+            if isinstance(value, Tensor) and value.dim() == 0:
+                value = value.item()
+            if not isinstance(value, int | float):
+                raise ValueError(f"column {key!r} is neither a sequence column nor a scalar: {value!r}")
+            try:
+                values = [row[key] for row in rows]
+            except KeyError as err:
+                raise ValueError(f"column {key!r} is missing from some rows of the batch") from err
+            dtype = torch.float32 if isinstance(value, float) else torch.long
+            batch[key] = torch.as_tensor(values, dtype=dtype)
+        if self.corruption_prob > 0.0:
+            self._corrupt(batch)
+        return batch
+
+    def _corrupt(self, batch: dict[str, Tensor]) -> None:
+        if "output_start" not in batch or "output_len" not in batch:
+            raise ValueError("prefix corruption needs the output_start and output_len columns")
+        input_ids = batch["input_ids"]
+        pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        start = batch["output_start"].unsqueeze(1)
+        in_output = (pos >= start) & (pos < start + batch["output_len"].unsqueeze(1))
+        draw = torch.rand(input_ids.shape, generator=self.generator) < self.corruption_prob
+        chosen = in_output & draw
+        current = self._letter_index[input_ids[chosen]]
+        if (current < 0).any():
+            raise ValueError(
+                f"an output token is not a letter of the collator's alphabet {self.alphabet!r}"
+            )
+        n_letters = len(self.letter_ids)
+        if n_letters > 1:
+            shift = torch.randint(1, n_letters, current.shape, generator=self.generator)
+            input_ids[chosen] = self.letter_ids[(current + shift) % n_letters]
+
+
+def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:
+    """Prompts ``<bos> x <sep>`` for generation, LEFT-padded with the pad id.
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``[B, 2 + max len(x)]`` long tensors.
+    """
+    if not xs:
+        raise ValueError("prompt_batch got no inputs")
+    bos, sep, pad = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id", "pad_token_id"))
+    specials = set(tokenizer.all_special_tokens)
+    vocab = {tok: i for tok, i in tokenizer.get_vocab().items() if tok not in specials}
+    width = 2 + max(len(x) for x in xs)
+    input_ids = torch.full((len(xs), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(xs), width), dtype=torch.long)
+    for b, x in enumerate(xs):
+        try:
+            ids = [bos, *(vocab[ch] for ch in x), sep]
+        except KeyError as err:
+            raise ValueError(f"xs[{b}]={x!r} has a character that is not a letter of the tokenizer") from err
+        input_ids[b, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[b, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def decode_outputs(
+    tokenizer: PreTrainedTokenizerBase, generated: LongTensor, prompt_len: int
+) -> list[tuple[str, bool]]:
+    """Read the outputs out of generated sequences.
+
+    Args:
+        generated: ``[B, prompt_len + new]`` ids (the prompt followed by what was generated).
+        prompt_len: width of the (left-padded) prompt.
+
+    Returns:
+        One ``(text, ended_with_eos)`` per row: ``text`` holds the tokens after the prompt up to the first
+        ``<eos>`` (exclusive). Special tokens generated before ``<eos>`` are kept in ``text`` (as
+        ``"<sep>"`` etc.), so a malformed output never matches a letter string.
+    """
+    eos = _special_id(tokenizer, "eos_token_id")
+    if generated.dim() != 2 or not 0 <= prompt_len <= generated.shape[1]:
+        raise ValueError(f"generated must be [B, T] with T >= prompt_len={prompt_len}, got {tuple(generated.shape)}")
+    out = []
+    for row in generated[:, prompt_len:].tolist():
+        ended = eos in row
+        ids = row[: row.index(eos)] if ended else row
+        out.append((tokenizer.decode(ids, skip_special_tokens=False), ended))
+    return out
