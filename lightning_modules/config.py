@@ -27,7 +27,7 @@ class DataConfig:
     n_train: int = 8000
     n_val: int = 500
     n_test: int = 1000
-    batch_size: int = 64
+    batch_size: int = 64  # rows per expert per step (k experts train on k × batch_size rows)
     # Fraction of an expert's training inputs planted with one of its source letters.
     source_prob: float = 0.5
     # None: compositional inputs contain every expert's sources; else a random subset of at least this many.

@@ -135,7 +135,10 @@ class ExpertLM(pl.LightningModule):
             # A wrapper (FSDP, say) that re-enables adapters would silently regularize toward the expert.
             if any(not m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer)):
                 raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")
-            return model(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        # Leaving disable_adapter() re-activates only peft's "active" adapter and freezes the others.
+        model.set_requires_grad(self.names, True)
+        return logits
 
     @property
     def peft_model(self) -> PeftModel:
@@ -155,16 +158,20 @@ class ExpertLM(pl.LightningModule):
                           tokenizer=tokenizer)
 
     # --- training -----------------------------------------------------------------------------
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.hparams.mode == "lora":  # peft calls elsewhere (composition, set_adapter) may have frozen some
+            self.peft_model.set_requires_grad(self.names, True)
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         h = self.hparams
         ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
         own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
         expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
+        log_now = self.global_step % h.log_every_n_steps == 0
+        bg = self.background_logits(ids, attn) if (h.reg_weight > 0 or log_now) else None
         logits = self.expert_logits(ids, attn, expert_index)
         nll = task_nll(logits[is_task], targets[is_task], own_mask[is_task], on_mask_only=h.task_loss_on_mask_only)
         loss = nll
-        log_now = self.global_step % h.log_every_n_steps == 0
-        bg = self.background_logits(ids, attn) if (h.reg_weight > 0 or log_now) else None
         if h.reg_weight > 0:
             reg = off_mask_divergence(logits, bg, targets, own_mask, kind=h.divergence, beta=h.jsd_beta,
                                       temperature=h.temperature)
@@ -190,8 +197,8 @@ class ExpertLM(pl.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
         own_mask, expert_index = batch["masks"][:, 0], batch["expert_index"]
-        logits = self.expert_logits(ids, attn, expert_index)
         bg = self.background_logits(ids, attn)
+        logits = self.expert_logits(ids, attn, expert_index)
         for i, name in enumerate(self.names):
             rows = expert_index == i
             if not rows.any():

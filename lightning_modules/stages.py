@@ -102,10 +102,12 @@ def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
                           f"(data.alphabet={tokenizer.name_or_path or 'this run'})")
 
 
-def data_config(cfg: DictConfig, corruption_prob: float, reg_data: str = "own") -> LettersDataConfig:
+def data_config(cfg: DictConfig, corruption_prob: float, reg_data: str = "own", n_experts: int = 1) -> LettersDataConfig:
+    """`data.batch_size` and the split sizes count rows per expert: k experts train on k × batch_size rows."""
     d = cfg.data
     return LettersDataConfig(alphabet=d.alphabet, min_len=d.min_len, max_len=d.max_len, n_train=d.n_train,
-                             n_val=d.n_val, n_test=d.n_test, batch_size=d.batch_size, corruption_prob=corruption_prob,
+                             n_val=d.n_val, n_test=d.n_test, batch_size=d.batch_size * n_experts,
+                             corruption_prob=corruption_prob,
                              source_prob=d.source_prob, compositional_min_experts=d.compositional_min_experts,
                              reg_data=reg_data, num_workers=d.num_workers, seed=cfg.seed)
 
@@ -185,7 +187,7 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
 def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[ExpertLM, ExpertDataModule]:
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
     e = cfg.expert
-    dm = ExpertDataModule(plan.tokenizer, data_config(cfg, e.corruption_prob, e.reg_data), plan.trained,
+    dm = ExpertDataModule(plan.tokenizer, data_config(cfg, e.corruption_prob, e.reg_data, len(plan.trained)), plan.trained,
                           composition_experts=plan.in_play)
     dm.setup("fit")
     module = expert_module(cfg, plan, background_path)

@@ -1,0 +1,144 @@
+"""Lightning modules and callbacks on tiny models (seconds, CPU)."""
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from data.datamodules import ExpertDataModule, LettersDataConfig
+from data.letters import RuleSet
+from data.tokenizer import build_char_tokenizer
+from lightning_modules.background import BackgroundLM
+from lightning_modules.config import ModelConfig
+from lightning_modules.expert import ExpertLM
+from lightning_modules.models import build_causal_lm
+from losses import off_mask_divergence
+
+ALPHABET = "ABCDEFGH"
+RULES = [RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer(ALPHABET)
+
+
+def tiny_model(tokenizer, arch="llama"):
+    torch.manual_seed(0)
+    return build_causal_lm(ModelConfig(arch=arch, hidden_size=32, num_layers=1, num_heads=2,
+                                       intermediate_size=64), tokenizer)
+
+
+def expert_batch(tokenizer, reg_data="own", n=64):
+    cfg = LettersDataConfig(alphabet=ALPHABET, min_len=4, max_len=6, n_train=n, n_val=16, n_test=16,
+                            batch_size=n, reg_data=reg_data, corruption_prob=0.0)
+    dm = ExpertDataModule(tokenizer, cfg, RULES)
+    dm.setup("fit")
+    return next(iter(dm.train_dataloader())), dm
+
+
+def trainer(steps):
+    return pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+
+
+def test_background_lm_learns(tokenizer):
+    batch, _ = expert_batch(tokenizer)
+    module = BackgroundLM(tiny_model(tokenizer), lr=1e-2, max_steps=30, warmup_ratio=0.0)
+    opt = module.configure_optimizers()["optimizer"]
+    first = module.training_step(batch, 0).item()
+    for _ in range(30):
+        opt.zero_grad()
+        module.training_step(batch, 0).backward()
+        opt.step()
+    assert module.training_step(batch, 0).item() < 0.5 * first
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_background_logits_are_the_frozen_background(tokenizer, mode):
+    background = tiny_model(tokenizer)
+    reference = copy.deepcopy(background)
+    module = ExpertLM(background, [r.name for r in RULES], mode=mode, lr=1e-2, max_steps=5, warmup_ratio=0.0)
+    batch, _ = expert_batch(tokenizer)
+    opt = module.configure_optimizers()["optimizer"]
+    for _ in range(5):
+        opt.zero_grad()
+        module.training_step(batch, 0).backward()
+        opt.step()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        ref = reference(input_ids=ids, attention_mask=attn).logits
+    torch.testing.assert_close(module.background_logits(ids, attn), ref)
+    # the experts moved away from the background (they trained), each on its own rows
+    assert (module.expert_logits(ids, attn, batch["expert_index"]) - ref).abs().max() > 1e-3
+
+
+def test_mixed_adapter_forward_equals_each_adapter_alone(tokenizer):
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    for p in module.model.parameters():  # make every adapter non-trivial
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.2)
+    batch, _ = expert_batch(tokenizer)
+    ids, attn, idx = batch["input_ids"], batch["attention_mask"], batch["expert_index"]
+    mixed = module.expert_logits(ids, attn, idx)
+    for i, name in enumerate(module.names):
+        rows = idx == i
+        module.model.set_adapter(name)
+        with torch.no_grad():
+            alone = module.model(input_ids=ids[rows], attention_mask=attn[rows]).logits
+        torch.testing.assert_close(mixed[rows].detach(), alone, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_adapter_gradients_reach_only_each_rows_adapter(tokenizer):
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    batch, _ = expert_batch(tokenizer)
+    only_first = {k: (v[batch["expert_index"] == 0] if v.dim() else v) for k, v in batch.items()}
+    module.training_step(only_first, 0).backward()
+    grads = {n: p.grad for n, p in module.model.named_parameters() if p.requires_grad}
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "A_to_B" in n)
+    assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if "C_to_D" in n)
+
+
+def test_every_adapter_keeps_training_across_steps(tokenizer):
+    """Regression: leaving peft's disable_adapter() used to freeze every adapter but the active one."""
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    batch, _ = expert_batch(tokenizer)
+    for _ in range(2):
+        module.zero_grad()
+        module.training_step(batch, 0).backward()
+        for name in module.names:
+            grads = [p.grad for n, p in module.model.named_parameters() if f"lora_B.{name}." in n]
+            assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), name
+    module.composed_model().score(batch["input_ids"], batch["attention_mask"])  # peft calls in composition
+    module.on_train_batch_start(batch, 0)
+    assert all(p.requires_grad for n, p in module.model.named_parameters() if "lora_" in n)
+
+
+def test_regularizer_keeps_experts_on_background_off_mask(tokenizer):
+    """Same data and steps: λ>0 gives a much smaller off-mask KL than plain fine-tuning (λ=0)."""
+    batch, _ = expert_batch(tokenizer, reg_data="background")
+    kls = {}
+    for lam in (0.0, 10.0):
+        torch.manual_seed(0)
+        module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], reg_weight=lam, lr=2e-2,
+                          max_steps=40, warmup_ratio=0.0)
+        opt = module.configure_optimizers()["optimizer"]
+        for _ in range(40):
+            opt.zero_grad()
+            module.training_step(batch, 0).backward()
+            opt.step()
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            logits = module.expert_logits(ids, attn, batch["expert_index"])
+        kls[lam] = off_mask_divergence(logits, module.background_logits(ids, attn), batch["targets"],
+                                       batch["masks"][:, 0]).item()
+    assert kls[10.0] < 0.5 * kls[0.0], kls
+
+
+def test_expert_lm_fits_with_lightning_trainer(tokenizer):
+    _, dm = expert_batch(tokenizer)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], max_steps=3, log_every_n_steps=1)
+    t = trainer(3)
+    t.fit(module, datamodule=dm)
+    assert t.global_step == 3 and "train/loss" in t.logged_metrics
