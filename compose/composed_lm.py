@@ -1,0 +1,512 @@
+"""A composed language model: a background and k experts combined by ``compose_logprobs``.
+
+Two backends compute the same thing:
+
+* ``"adapters"`` — one :class:`peft.PeftModel` holding the k LoRA adapters; the background is the base
+  model (peft's ``"__base__"``). Every step is ONE forward of a batch of ``(k+1)·B`` rows with peft's
+  mixed-batch ``adapter_names=["__base__"]*B + [name_1]*B + ...`` and one shared KV cache.
+* ``"separate"`` — distinct full Hugging Face causal LMs, each with its own ``DynamicCache``.
+
+Scoring is teacher-forced; generation prefills the prompt once and then feeds one token per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import LongTensor, Tensor, nn
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from compose.operator import compose_logprobs
+
+BASE_ADAPTER = "__base__"
+Gate = Callable[[Tensor], Any]
+
+
+class ComposedLM(nn.Module):
+    """Background + k experts sharing one vocabulary, composed with ``compose_logprobs``.
+
+    The constructor builds the *separate* backend from full causal LMs; :meth:`from_peft` builds the
+    *adapters* backend from a PeftModel holding LoRA adapters; :meth:`from_manifest` loads an export
+    written by :func:`compose.export.export_composition`.
+
+    Args:
+        background: the background causal LM.
+        experts: full causal LMs sharing the background's vocabulary.
+        weights: one float per expert (default all 1, the paper's rule).
+        names: one name per expert (default ``expert_0``, ``expert_1``, ...).
+        min_logprob: floor on the components' log-probs (see ``compose_logprobs``).
+        tokenizer: the shared tokenizer, or a sequence of one tokenizer per component (background
+            first), in which case all must be identical (same vocabulary and special tokens).
+
+    Raises:
+        ValueError: a component's vocabulary size or tokenizer differs from the background's (checked
+            before any forward pass), or weights/names have the wrong length.
+    """
+
+    def __init__(
+        self,
+        background: PreTrainedModel,
+        experts: Sequence[PreTrainedModel] = (),
+        *,
+        weights: Sequence[float] | None = None,
+        names: Sequence[str] | None = None,
+        min_logprob: float = -1e4,
+        tokenizer=None,
+    ) -> None:
+        super().__init__()
+        experts = list(experts)
+        names = [f"expert_{i}" for i in range(len(experts))] if names is None else [str(n) for n in names]
+        if len(names) != len(experts):
+            raise ValueError(f"names has {len(names)} entries but there are {len(experts)} experts")
+        self._setup(names, weights, min_logprob)
+        components = [("background", background)] + [
+            (f"expert {n!r}", m) for n, m in zip(names, experts, strict=True)
+        ]
+        _check_same_vocab(components)
+        self.tokenizer = _check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
+        self.backend = "separate"
+        self.background = background
+        self.experts = nn.ModuleList(experts)
+        self.model = None
+
+    @classmethod
+    def from_peft(
+        cls,
+        model,
+        adapter_names: Sequence[str],
+        *,
+        weights: Sequence[float] | None = None,
+        min_logprob: float = -1e4,
+        tokenizer=None,
+    ) -> ComposedLM:
+        """Adapters backend: the PeftModel's base model is the background, each named adapter an expert.
+
+        Args:
+            model: a ``peft.PeftModel`` holding (at least) the named LoRA adapters, none merged.
+            adapter_names: the adapters to compose, in order; they become :attr:`names`.
+            weights, min_logprob, tokenizer: as in the constructor.
+        """
+        from peft import PeftModel
+
+        if not isinstance(model, PeftModel):
+            raise ValueError(f"from_peft needs a peft.PeftModel, got {type(model).__name__}")
+        names = [str(n) for n in adapter_names]
+        for name in names:
+            if name == BASE_ADAPTER:
+                raise ValueError(f"adapter name {BASE_ADAPTER!r} is reserved for the background")
+            if name not in model.peft_config:
+                raise ValueError(
+                    f"adapter {name!r} is not in the PeftModel (it holds {sorted(model.peft_config)})"
+                )
+            if getattr(model.peft_config[name], "use_dora", False):
+                raise ValueError(f"adapter {name!r} uses DoRA, which peft's mixed-adapter batches do not support")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(names, weights, min_logprob)
+        self.tokenizer = _check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
+        self.backend = "adapters"
+        self.background = None
+        self.experts = nn.ModuleList()
+        self.model = model
+        return self
+
+    @classmethod
+    def from_manifest(
+        cls, path: str | os.PathLike, *, backend: str = "adapters", device: torch.device | str | None = None
+    ) -> ComposedLM:
+        """Load an export folder (see :func:`compose.export.export_composition`).
+
+        Checksums are verified first (a corrupt or truncated file raises ``ValueError`` naming it).
+        ``backend="adapters"`` loads every LoRA expert into one PeftModel; ``backend="separate"`` merges
+        each LoRA into its own full copy of the background. Full-model experts need ``"separate"``.
+        """
+        from compose.export import load_composition
+
+        return load_composition(path, backend=backend, device=device)
+
+    def _setup(self, names: list[str], weights: Sequence[float] | None, min_logprob: float) -> None:
+        k = len(names)
+        if len(set(names)) != k:
+            raise ValueError(f"expert names must be unique, got {names}")
+        weights = [1.0] * k if weights is None else [float(w) for w in weights]
+        if len(weights) != k:
+            raise ValueError(f"weights has {len(weights)} entries but there are {k} experts")
+        self.names: list[str] = names
+        self.weights: list[float] = weights
+        self.min_logprob = float(min_logprob)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.names)
+
+    @property
+    def device(self) -> torch.device:
+        module = self.model if self.backend == "adapters" else self.background
+        return next(module.parameters()).device
+
+    def _base_model(self) -> PreTrainedModel:
+        return self.model.get_base_model() if self.backend == "adapters" else self.background
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        caches: list[DynamicCache] | None,
+        last_only: bool,
+    ) -> Tensor:
+        """Logits of every component, float32 ``[k+1, B, T', V]`` (``T' = 1`` when ``last_only``)."""
+        kwargs: dict[str, Any] = {"use_cache": caches is not None}
+        if last_only and _accepts(self._base_model(), "logits_to_keep"):
+            kwargs["logits_to_keep"] = 1
+        if self.backend == "adapters":
+            # adapter_names reach every LoRA layer through the hooks `_running` registered.
+            n, b = self.num_experts + 1, input_ids.shape[0]
+            out = self._base_model()(
+                input_ids=input_ids.repeat(n, 1),
+                attention_mask=None if attention_mask is None else attention_mask.repeat(n, 1),
+                position_ids=None if position_ids is None else position_ids.repeat(n, 1),
+                cache=None if caches is None else caches[0],
+                **kwargs,
+            )
+            logits = out.logits[:, -1:] if last_only else out.logits
+            return logits.float().view(n, b, *logits.shape[1:])
+        models = [self.background, *self.experts]
+        outs = []
+        for i, m in enumerate(models):
+            out = m(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=None if caches is None else caches[i],
+                **kwargs,
+            )
+            outs.append(out.logits[:, -1:] if last_only else out.logits)
+        return torch.stack([o.float() for o in outs])
+
+    def _new_caches(self) -> list[DynamicCache]:
+        if self.backend == "adapters":
+            return [DynamicCache(config=self._base_model().config)]
+        return [DynamicCache(config=m.config) for m in [self.background, *self.experts]]
+
+    @contextmanager
+    def _running(self, batch_size: int) -> Iterator[None]:
+        """Eval mode and, for the adapters backend, peft's mixed-adapter batch for ``batch_size`` rows.
+
+        peft's ``model(..., adapter_names=names)`` registers a pre-forward hook on every LoRA layer that
+        passes ``adapter_names`` to it (``LoraLayer._mixed_batch_forward``), and removes the hooks after
+        the call. Here the same hooks are registered once for a whole ``generate``/``score`` call, so each
+        decoding step is one plain forward of the base model instead of a walk over all modules twice.
+        """
+        with _eval_mode(self):
+            if self.backend != "adapters":
+                yield
+                return
+            from peft.tuners.lora import LoraLayer
+            from peft.utils import AuxiliaryTrainingWrapper
+
+            names = [BASE_ADAPTER] * batch_size + [name for name in self.names for _ in range(batch_size)]
+            hook = functools.partial(_inject_adapter_names, adapter_names=names)
+            handles = [
+                module.register_forward_pre_hook(hook, with_kwargs=True)
+                for module in self.model.modules()
+                if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper))
+            ]
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+    @torch.no_grad()
+    def component_logprobs(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Teacher-forced next-token log-probs of every component.
+
+        With an ``attention_mask``, position ids are computed from it as Hugging Face ``generate`` does
+        (so left-padded rows score like unpadded ones).
+
+        Returns:
+            background log-probs ``[B, T, V]`` and experts' ``[k, B, T, V]``, float32.
+        """
+        input_ids = input_ids.to(self.device)
+        position_ids = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            position_ids = _position_ids(attention_mask)
+        with self._running(input_ids.shape[0]):
+            logits = self._forward(input_ids, attention_mask, position_ids, caches=None, last_only=False)
+        lp = logits.log_softmax(-1)
+        return lp[0], lp[1:]
+
+    @torch.no_grad()
+    def score(self, input_ids: Tensor, attention_mask: Tensor | None = None, masks: Tensor | None = None) -> Tensor:
+        """Composed, normalized next-token log-probs ``[B, T, V]`` (teacher-forced, float32).
+
+        Args:
+            input_ids: ``[B, T]`` token ids.
+            attention_mask: optional ``[B, T]`` (left padding supported).
+            masks: optional bool ``[k, B, T]``; where False that expert's factor is 1 (gated composition).
+        """
+        background, experts = self.component_logprobs(input_ids, attention_mask)
+        if masks is not None:
+            masks = masks.to(background.device)
+        return compose_logprobs(background, experts, self.weights, masks, self.min_logprob)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, masks: Tensor | None = None) -> Tensor:
+        """Same as :meth:`score`."""
+        return self.score(input_ids, attention_mask, masks)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        gates: Sequence[Gate | None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> LongTensor:
+        """Decode from the composed model, one token at a time, with KV caches.
+
+        The prompt is prefilled once, then each step feeds only the new token (one forward of the
+        ``(k+1)·B`` mixed-adapter batch, or one forward per component). Left-padded prompts are handled
+        like Hugging Face ``generate`` (position ids from the attention mask, which keeps growing).
+
+        Args:
+            input_ids: ``[B, T]`` prompt ids (left-padded for batches of unequal lengths).
+            attention_mask: ``[B, T]``; if None it is inferred like HF does (``input_ids != pad`` when the
+                pad token occurs in the prompt and differs from EOS, else all ones).
+            max_new_tokens: at most this many tokens are appended.
+            do_sample: sample (with ``generator``) instead of taking the argmax.
+            temperature, top_k, top_p: sampling warpers (transformers' logits processors) applied to the
+                composed log-probs; ignored when greedy.
+            eos_token_id: one or several ids that finish a sequence (default: tokenizer, else the
+                background's generation config); an empty list disables EOS stopping.
+            pad_token_id: fills finished sequences (default: tokenizer, generation config, else EOS).
+            gates: optional ``k`` callables ``gate(prefix_ids [B, t]) -> bool [B]`` (or None for an
+                always-on expert); where False that expert's factor is 1 for that row at this step.
+            generator: a ``torch.Generator`` for reproducible sampling.
+
+        Returns:
+            ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
+            sequence has emitted EOS; finished rows are filled with ``pad_token_id``).
+        """
+        device = self.device
+        input_ids = input_ids.to(device)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        eos, pad = self._special_tokens(eos_token_id, pad_token_id, device)
+        if attention_mask is None:
+            attention_mask = _infer_attention_mask(input_ids, eos, pad)
+        attention_mask = attention_mask.to(device).long()
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
+            )
+        if gates is not None and len(gates) != self.num_experts:
+            raise ValueError(f"gates has {len(gates)} entries but there are {self.num_experts} experts")
+        processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+
+        batch = input_ids.shape[0]
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        with self._running(batch):
+            caches = self._new_caches()
+            position_ids = _position_ids(attention_mask)
+            logits = self._forward(input_ids, attention_mask, position_ids, caches, last_only=True)[:, :, -1]
+            for step in range(max_new_tokens):
+                masks = _gate_masks(gates, input_ids, device)
+                scores = compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
+                if do_sample:
+                    scores = processors(input_ids, scores)
+                    probs = scores.softmax(-1)
+                    next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                else:
+                    next_tokens = scores.argmax(-1)
+                if eos is not None:
+                    next_tokens = torch.where(unfinished, next_tokens, pad)
+                    unfinished &= ~torch.isin(next_tokens, eos)
+                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
+                if step == max_new_tokens - 1 or not bool(unfinished.any()):
+                    break
+                position_ids = position_ids[:, -1:] + 1
+                logits = self._forward(next_tokens[:, None], attention_mask, position_ids, caches, True)[:, :, -1]
+        return input_ids
+
+    def _special_tokens(
+        self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
+    ) -> tuple[Tensor | None, Tensor | None]:
+        gen_config = getattr(self._base_model(), "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+            if eos_token_id is None and gen_config is not None:
+                eos_token_id = gen_config.eos_token_id
+        if pad_token_id is None:
+            pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
+            if pad_token_id is None and gen_config is not None:
+                pad_token_id = gen_config.pad_token_id
+        if eos_token_id is None or (isinstance(eos_token_id, Sequence) and len(eos_token_id) == 0):
+            pad = None if pad_token_id is None else torch.tensor(int(pad_token_id), device=device)
+            return None, pad
+        eos = torch.as_tensor(eos_token_id, dtype=torch.long, device=device).flatten()
+        pad = eos[0] if pad_token_id is None else torch.tensor(int(pad_token_id), device=device)
+        return eos, pad
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _position_ids(attention_mask: Tensor) -> Tensor:
+    """Position ids of a (left-padded) batch, exactly as Hugging Face ``generate`` computes them."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.masked_fill(attention_mask == 0, 0)
+
+
+def _infer_attention_mask(input_ids: Tensor, eos: Tensor | None, pad: Tensor | None) -> Tensor:
+    ones = torch.ones_like(input_ids)
+    if pad is None or not bool((input_ids == pad).any()):
+        return ones
+    if eos is not None and bool(torch.isin(eos, pad).any()):
+        return ones
+    return input_ids.ne(pad).long()
+
+
+def _warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    processors = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: torch.device) -> Tensor | None:
+    if gates is None:
+        return None
+    rows = []
+    for i, gate in enumerate(gates):
+        if gate is None:
+            rows.append(torch.ones(prefix.shape[0], dtype=torch.bool, device=device))
+            continue
+        value = torch.as_tensor(gate(prefix), device=device).to(torch.bool).reshape(-1)
+        if value.numel() == 1:
+            value = value.expand(prefix.shape[0])
+        if value.numel() != prefix.shape[0]:
+            raise ValueError(f"gate {i} returned {value.numel()} values for a batch of {prefix.shape[0]}")
+        rows.append(value)
+    return torch.stack(rows)
+
+
+def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
+    kwargs["adapter_names"] = adapter_names
+    return args, kwargs
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """Put ``module`` in eval mode (peft needs it for ``adapter_names``) and restore every submodule's mode."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _vocab_sizes(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(config vocab size, output dimension)`` of a causal LM (None where unknown)."""
+    config = getattr(model, "config", None)
+    config_vocab = None
+    if config is not None:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config_vocab = getattr(text_config, "vocab_size", None)
+    out_dim = None
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is not None:
+        weight = getattr(head, "weight", None)
+        out_dim = getattr(head, "out_features", None) or (None if weight is None else weight.shape[0])
+    return config_vocab, out_dim
+
+
+def _check_same_vocab(components: list[tuple[str, nn.Module]]) -> None:
+    """Refuse components whose vocabulary size (config or output dimension) differs from the background's."""
+    _, background = components[0]
+    bg_config, bg_out = _vocab_sizes(background)
+    if bg_config is not None and bg_out is not None and bg_config != bg_out:
+        raise ValueError(f"background: config.vocab_size={bg_config} but its output layer has {bg_out} rows")
+    bg = bg_out if bg_out is not None else bg_config
+    for label, model in components[1:]:
+        config_vocab, out_dim = _vocab_sizes(model)
+        for what, size in (("config.vocab_size", config_vocab), ("output dimension", out_dim)):
+            if size is not None and bg is not None and size != bg:
+                raise ValueError(
+                    f"{label} has {what} {size} but the background's vocabulary size is {bg}; "
+                    "composed components must share one vocabulary"
+                )
+
+
+def _tokenizer_signature(tokenizer) -> tuple[dict, dict]:
+    special = {}
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"):
+        special[attr] = getattr(tokenizer, attr, None)
+    special["all_special_ids"] = sorted(getattr(tokenizer, "all_special_ids", []) or [])
+    return tokenizer.get_vocab(), special
+
+
+def _check_tokenizers(tokenizer, labels: list[str]):
+    """One tokenizer, or one per component that must all be identical; returns the background's."""
+    if tokenizer is None or not isinstance(tokenizer, (list, tuple)):
+        return tokenizer
+    if len(tokenizer) != len(labels):
+        raise ValueError(f"got {len(tokenizer)} tokenizers for {len(labels)} components (background + experts)")
+    ref_vocab, ref_special = _tokenizer_signature(tokenizer[0])
+    for label, tok in zip(labels[1:], tokenizer[1:], strict=True):
+        if tok is None:
+            continue
+        vocab, special = _tokenizer_signature(tok)
+        if vocab != ref_vocab:
+            raise ValueError(
+                f"{label} has a different tokenizer vocabulary than the background "
+                f"({len(vocab)} vs {len(ref_vocab)} tokens, {len(set(vocab.items()) ^ set(ref_vocab.items()))} differ)"
+            )
+        if special != ref_special:
+            diff = {k: (special[k], ref_special[k]) for k in special if special[k] != ref_special[k]}
+            raise ValueError(f"{label} has different special tokens than the background: {diff}")
+    return tokenizer[0]

@@ -1,0 +1,528 @@
+"""Export a composition to a folder with a ``composition.yaml`` manifest, and load it back.
+
+Layout of an export folder::
+
+    composition.yaml          the manifest (below)
+    background/               HF ``save_pretrained`` (safetensors), unless the manifest references one
+    tokenizer/                the shared tokenizer (``save_pretrained``)
+    experts/<name>/           a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+                              or a full HF model folder
+
+Manifest (YAML)::
+
+    format_version: 1
+    background: {path: background}        # or {ref: /some/hf/model/folder, checksums: {file: sha256}}
+    tokenizer: tokenizer
+    experts:
+      - {name: a2b, kind: lora, path: experts/a2b, weight: 1.0, spec: {rules: {A: B}}}
+    checksums: {background/model.safetensors: <sha256>, ...}   # every file of the export but the manifest
+    extra: {}
+
+A relative ``ref`` is resolved against the export folder. Exports are written atomically (built in a
+hidden sibling folder, then renamed into place); loading verifies every checksum before reading any
+weights, reads only safetensors, and never runs remote code.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "composition.yaml"
+EXPERT_KINDS = ("lora", "model")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+WEIGHT_SUFFIX = ".safetensors"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_TOP_KEYS = ("format_version", "background", "tokenizer", "experts", "checksums", "extra")
+_EXPERT_KEYS = ("name", "kind", "path", "weight", "spec")
+
+
+# ---------------------------------------------------------------------- export
+
+
+def export_composition(
+    path: str | os.PathLike,
+    *,
+    tokenizer,
+    background=None,
+    background_ref: str | None = None,
+    peft_model=None,
+    adapter_names: Sequence[str] = (),
+    expert_models: Mapping[str, Any] | None = None,
+    weights: Mapping[str, float] | None = None,
+    specs: Mapping[str, dict] | None = None,
+    extra: dict | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a composition (background, experts, tokenizer, manifest) to the folder ``path``.
+
+    Args:
+        path: the export folder to create. An existing one is refused unless ``overwrite=True``, in
+            which case it is replaced only once the new export is complete.
+        tokenizer: the shared tokenizer (saved to ``tokenizer/``).
+        background: the background model, saved to ``background/``. If neither it nor
+            ``background_ref`` is given, the base model of ``peft_model`` (adapters removed) is saved.
+        background_ref: instead of saving the background, reference an existing HF model folder (stored
+            as given; a relative path is relative to the export folder). Its safetensors are checksummed.
+        peft_model: a PeftModel whose adapters ``adapter_names`` are exported as LoRA experts.
+        adapter_names: the adapters to export (default: every adapter of ``peft_model``).
+        expert_models: full HF models exported as ``kind: model`` experts, by name.
+        weights: composition weight by expert name (default 1.0).
+        specs: free-form dict by expert name (mask rules, interval specs, ...), e.g. ``{rules: {A: B}}``.
+        extra: free-form dict stored under ``extra``.
+        overwrite: replace an existing ``path``.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False (nothing is written).
+        ValueError: inconsistent arguments (names, weights, specs, vocabulary, LoRA layers in the
+            background, ...), detected before anything is written.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    path = Path(path)
+    expert_models = dict(expert_models or {})
+    weights = dict(weights or {})
+    specs = dict(specs or {})
+    extra = {} if extra is None else extra
+    if peft_model is None and adapter_names:
+        raise ValueError("adapter_names given without peft_model")
+    lora_names = [str(n) for n in (adapter_names or (list(peft_model.peft_config) if peft_model is not None else []))]
+    for name in lora_names:
+        if name not in peft_model.peft_config:
+            raise ValueError(f"adapter {name!r} is not in peft_model (it holds {sorted(peft_model.peft_config)})")
+    names = lora_names + [str(n) for n in expert_models]
+    _check_names(names, "export_composition")
+    for what, mapping in (("weights", weights), ("specs", specs)):
+        unknown = sorted(set(mapping) - set(names))
+        if unknown:
+            raise ValueError(f"{what} names unknown experts {unknown}; experts are {names}")
+    for name, spec in specs.items():
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"specs[{name!r}] must be a dict, got {type(spec).__name__}")
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"extra must be a dict, got {type(extra).__name__}")
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise ValueError(f"weights[{name!r}] must be a number, got {w!r}")
+    # Fail on non-YAML-able specs/extra now, before anything is written.
+    try:
+        yaml.safe_dump({"specs": _plain(specs), "extra": _plain(extra)})
+    except yaml.YAMLError as err:
+        raise ValueError(f"specs/extra must be plain YAML data (dicts, lists, str, numbers): {err}") from err
+    if background is not None and background_ref is not None:
+        raise ValueError("pass either background or background_ref, not both")
+    if background is None and background_ref is None and peft_model is None:
+        raise ValueError("no background: pass background, background_ref or peft_model")
+    if background is not None and any(isinstance(m, BaseTunerLayer) for m in background.modules()):
+        raise ValueError(
+            "background contains PEFT adapter layers; pass the PeftModel as peft_model and leave background "
+            "unset (its base model is then saved without adapters)"
+        )
+    ref_checksums: dict[str, str] = {}
+    if background_ref is not None:
+        ref_dir = _resolve_ref(path, str(background_ref))
+        if not (ref_dir / "config.json").is_file():
+            raise ValueError(f"background_ref {background_ref!r}: {ref_dir} is not an HF model folder (no config.json)")
+        ref_checksums = _weight_checksums(ref_dir, f"background_ref {background_ref!r}")
+        ref_vocab = _read_config_vocab(ref_dir)
+    else:
+        bg_model = background if background is not None else peft_model.get_base_model()
+        ref_vocab = bg_model.config.get_text_config().vocab_size
+    if ref_vocab is not None and len(tokenizer) > ref_vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the background's vocab_size is {ref_vocab}")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        if background_ref is not None:
+            background_entry: dict[str, Any] = {"ref": str(background_ref), "checksums": ref_checksums}
+        else:
+            if background is None:  # the PeftModel's base model, adapters removed, on a copy
+                background = copy.deepcopy(peft_model).unload()
+            background.save_pretrained(tmp / "background")
+            background_entry = {"path": "background"}
+        experts = []
+        for name in lora_names:
+            _save_adapter(peft_model, name, tmp / "experts" / name, tmp / ".peft-scratch")
+            experts.append(_expert_entry(name, "lora", weights, specs))
+        for name, model in expert_models.items():
+            model.save_pretrained(tmp / "experts" / name)
+            experts.append(_expert_entry(name, "model", weights, specs))
+        pickles = [p for p in tmp.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise ValueError(f"export produced pickle files {[str(p.relative_to(tmp)) for p in pickles]}")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "background": background_entry,
+            "tokenizer": "tokenizer",
+            "experts": experts,
+            "checksums": {
+                p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+            },
+            "extra": _plain(extra),
+        }
+        (tmp / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False))
+        load_manifest(tmp)  # what we wrote must read back
+        _move_into_place(tmp, path, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _save_adapter(peft_model, name: str, dest: Path, scratch: Path) -> None:
+    """Save one adapter as ``dest/{adapter_config.json, adapter_model.safetensors}``."""
+    peft_model.save_pretrained(scratch, selected_adapters=[name], safe_serialization=True)
+    src = scratch if name == "default" else scratch / name
+    dest.mkdir(parents=True)
+    for fname in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (src / fname).is_file():
+            raise ValueError(f"peft did not write {fname} for adapter {name!r}")
+        shutil.move(str(src / fname), str(dest / fname))
+    shutil.rmtree(scratch)
+
+
+def _expert_entry(name: str, kind: str, weights: Mapping, specs: Mapping) -> dict:
+    return {
+        "name": name,
+        "kind": kind,
+        "path": f"experts/{name}",
+        "weight": float(weights.get(name, 1.0)),
+        "spec": _plain(specs.get(name, {})),
+    }
+
+
+def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``path``; an old ``path`` is removed only after that succeeded."""
+    old = None
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+    try:
+        tmp.rename(path)
+    except BaseException:
+        if old is not None:
+            old.rename(path)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- manifest
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    """Parse and validate ``composition.yaml`` (``path`` is the export folder or the file itself).
+
+    Returns:
+        The manifest as a dict (``extra`` and each expert's ``spec`` default to ``{}``).
+
+    Raises:
+        ValueError: unreadable YAML, a missing/unknown key or a value of the wrong type, naming the file
+            and the key.
+    """
+    path = Path(path)
+    file = path / MANIFEST_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{file}: no composition manifest there")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{file}: not valid YAML: {err}") from err
+
+    def fail(key: str, msg: str) -> ValueError:
+        return ValueError(f"{file}: key {key!r} {msg}")
+
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: the manifest must be a mapping, got {type(data).__name__}")
+    data.setdefault("extra", {})
+    if data["extra"] is None:
+        data["extra"] = {}
+    for key in _TOP_KEYS:
+        if key not in data:
+            raise fail(key, "is missing")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise fail(str(key), f"is unknown (allowed: {', '.join(_TOP_KEYS)})")
+    if data["format_version"] != FORMAT_VERSION or isinstance(data["format_version"], bool):
+        raise fail("format_version", f"must be {FORMAT_VERSION}, got {data['format_version']!r}")
+
+    bg = data["background"]
+    if not isinstance(bg, dict) or len({"path", "ref"} & set(bg)) != 1:
+        raise fail("background", "must be a mapping with exactly one of 'path' or 'ref'")
+    allowed = {"path"} if "path" in bg else {"ref", "checksums"}
+    for key in bg:
+        if key not in allowed:
+            raise fail(f"background.{key}", f"is unknown (allowed: {sorted(allowed)})")
+    if "path" in bg:
+        _check_relpath(bg["path"], "background.path", fail)
+    else:
+        if not isinstance(bg["ref"], str) or not bg["ref"]:
+            raise fail("background.ref", f"must be a non-empty string, got {bg['ref']!r}")
+        bg.setdefault("checksums", {})
+        _check_checksums(bg["checksums"], "background.checksums", fail)
+    _check_relpath(data["tokenizer"], "tokenizer", fail)
+
+    experts = data["experts"]
+    if experts is None:
+        experts = data["experts"] = []
+    if not isinstance(experts, list):
+        raise fail("experts", f"must be a list, got {type(experts).__name__}")
+    seen = set()
+    for i, e in enumerate(experts):
+        where = f"experts[{i}]"
+        if not isinstance(e, dict):
+            raise fail(where, f"must be a mapping, got {type(e).__name__}")
+        e.setdefault("spec", {})
+        e.setdefault("weight", 1.0)
+        for key in _EXPERT_KEYS:
+            if key not in e:
+                raise fail(f"{where}.{key}", "is missing")
+        for key in e:
+            if key not in _EXPERT_KEYS:
+                raise fail(f"{where}.{key}", f"is unknown (allowed: {', '.join(_EXPERT_KEYS)})")
+        name = e["name"]
+        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "__base__":
+            raise fail(f"{where}.name", f"must be a simple name ([A-Za-z0-9_.-], not '__base__'), got {name!r}")
+        if name in seen:
+            raise fail(f"{where}.name", f"repeats the expert name {name!r}")
+        seen.add(name)
+        if e["kind"] not in EXPERT_KINDS:
+            raise fail(f"{where}.kind", f"must be one of {EXPERT_KINDS}, got {e['kind']!r}")
+        _check_relpath(e["path"], f"{where}.path", fail)
+        w = e["weight"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise fail(f"{where}.weight", f"must be a number, got {w!r}")
+        e["weight"] = float(w)
+        if e["spec"] is None:
+            e["spec"] = {}
+        if not isinstance(e["spec"], dict):
+            raise fail(f"{where}.spec", f"must be a mapping, got {type(e['spec']).__name__}")
+    _check_checksums(data["checksums"], "checksums", fail)
+    for key in data["checksums"]:
+        _check_relpath(key, f"checksums[{key!r}]", fail)
+    if not isinstance(data["extra"], dict):
+        raise fail("extra", f"must be a mapping, got {type(data['extra']).__name__}")
+    return data
+
+
+def verify_export(path: str | os.PathLike, manifest: dict | None = None) -> None:
+    """Check every file the manifest lists against its sha256, and that no unlisted or pickle file is there.
+
+    Raises:
+        ValueError: naming the missing, corrupt, truncated, unlisted or pickle file.
+    """
+    root = _root(path)
+    manifest = load_manifest(root) if manifest is None else manifest
+    _verify_files(root, manifest["checksums"], "export")
+    listed = set(manifest["checksums"])
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if not p.is_file() or rel == MANIFEST_NAME:
+            continue
+        if p.suffix in PICKLE_SUFFIXES:
+            raise ValueError(f"{p}: pickle files are never loaded; remove it from the export")
+        if p.suffix == WEIGHT_SUFFIX and rel not in listed:
+            raise ValueError(f"{p}: weight file not listed in {MANIFEST_NAME} checksums")
+    for rel in _required_files(manifest):
+        if rel not in listed:
+            raise ValueError(f"{root / rel}: required file is not listed in {MANIFEST_NAME} checksums")
+    bg = manifest["background"]
+    if "ref" in bg:
+        ref_dir = _resolve_ref(root, bg["ref"])
+        if not ref_dir.is_dir():
+            raise ValueError(f"background ref {bg['ref']!r}: {ref_dir} does not exist")
+        _verify_files(ref_dir, bg["checksums"], f"background ref {bg['ref']!r}")
+        now = _weight_checksums(ref_dir, f"background ref {bg['ref']!r}")
+        missing = sorted(set(now) - set(bg["checksums"]))
+        if missing:
+            raise ValueError(f"{ref_dir / missing[0]}: weight file not listed in the background ref's checksums")
+
+
+def _required_files(manifest: dict) -> list[str]:
+    files = []
+    for e in manifest["experts"]:
+        if e["kind"] == "lora":
+            files += [f"{e['path']}/adapter_config.json", f"{e['path']}/adapter_model.safetensors"]
+        else:
+            files.append(f"{e['path']}/config.json")
+    if "path" in manifest["background"]:
+        files.append(f"{manifest['background']['path']}/config.json")
+    return files
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def load_composition(
+    path: str | os.PathLike, *, backend: str = "adapters", device: torch.device | str | None = None
+):
+    """Load an export as a :class:`compose.ComposedLM` (what ``ComposedLM.from_manifest`` calls).
+
+    Verifies checksums, loads the tokenizer from ``tokenizer/`` and checks it fits the background's
+    vocabulary. ``backend="adapters"``: every expert must be LoRA; they are loaded into one PeftModel
+    (``PeftModel.from_pretrained`` + ``load_adapter``). With no experts at all, the separate backend is
+    returned (there is nothing to batch). ``backend="separate"``: each LoRA is merged into its own deep
+    copy of the background (``merge_and_unload``); full-model experts are loaded as they are.
+    The manifest's specs and extra are attached as ``.specs`` (by name) and ``.extra``.
+    """
+    from peft import PeftModel
+
+    from compose.composed_lm import ComposedLM
+
+    if backend not in ("adapters", "separate"):
+        raise ValueError(f"backend must be 'adapters' or 'separate', got {backend!r}")
+    root = _root(path)
+    manifest = load_manifest(root)
+    verify_export(root, manifest)
+    tokenizer = _load_tokenizer(root / manifest["tokenizer"])
+    bg = manifest["background"]
+    bg_dir = root / bg["path"] if "path" in bg else _resolve_ref(root, bg["ref"])
+    background = _load_model(bg_dir)
+    vocab = background.config.get_text_config().vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"{root / manifest['tokenizer']}: tokenizer has {len(tokenizer)} tokens but the background's "
+            f"vocab_size is {vocab}"
+        )
+    experts = manifest["experts"]
+    names = [e["name"] for e in experts]
+    weights = [e["weight"] for e in experts]
+    if backend == "adapters" and experts:
+        full = [e["name"] for e in experts if e["kind"] != "lora"]
+        if full:
+            raise ValueError(f"experts {full} are full models; load them with backend='separate'")
+        peft_model = PeftModel.from_pretrained(background, str(root / experts[0]["path"]), adapter_name=names[0])
+        for e in experts[1:]:
+            peft_model.load_adapter(str(root / e["path"]), adapter_name=e["name"])
+        composed = ComposedLM.from_peft(peft_model, names, weights=weights, tokenizer=tokenizer)
+    else:
+        models = []
+        for e in experts:
+            if e["kind"] == "lora":
+                wrapped = PeftModel.from_pretrained(copy.deepcopy(background), str(root / e["path"]))
+                models.append(wrapped.merge_and_unload())
+            else:
+                models.append(_load_model(root / e["path"]))
+        composed = ComposedLM(background, models, weights=weights, names=names, tokenizer=tokenizer)
+    composed.specs = {e["name"]: e["spec"] for e in experts}
+    composed.extra = manifest["extra"]
+    if device is not None:
+        composed.to(device)
+    return composed
+
+
+def _load_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, trust_remote_code=False).eval()
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (ValueError, OSError, KeyError):
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+# ---------------------------------------------------------------------- small helpers
+
+
+def _root(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.parent if path.name == MANIFEST_NAME and path.is_file() else path
+
+
+def _resolve_ref(root: Path, ref: str) -> Path:
+    ref_path = Path(ref).expanduser()
+    return ref_path if ref_path.is_absolute() else (root / ref_path)
+
+
+def _check_names(names: list[str], where: str) -> None:
+    seen = set()
+    for name in names:
+        if not _NAME_RE.match(name) or name == "__base__":
+            raise ValueError(f"{where}: expert name {name!r} must match [A-Za-z0-9][A-Za-z0-9_.-]* (not '__base__')")
+        if name in seen:
+            raise ValueError(f"{where}: expert name {name!r} is used twice")
+        seen.add(name)
+
+
+def _check_relpath(value: Any, key: str, fail) -> None:
+    if not isinstance(value, str) or not value:
+        raise fail(key, f"must be a non-empty relative path, got {value!r}")
+    p = Path(value)
+    if p.is_absolute() or ".." in p.parts:
+        raise fail(key, f"must stay inside the export folder, got {value!r}")
+
+
+def _check_checksums(value: Any, key: str, fail) -> None:
+    if not isinstance(value, dict):
+        raise fail(key, f"must be a mapping of file -> sha256, got {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not _SHA_RE.match(v):
+            raise fail(f"{key}[{k!r}]", f"must be a 64-hex-digit sha256, got {v!r}")
+
+
+def _verify_files(root: Path, checksums: Mapping[str, str], what: str) -> None:
+    for rel, expected in checksums.items():
+        file = root / rel
+        if not file.is_file():
+            raise ValueError(f"{file}: listed in the {what} checksums but missing")
+        if _sha256(file) != expected:
+            raise ValueError(f"{file}: sha256 mismatch (corrupt or truncated file)")
+
+
+def _weight_checksums(folder: Path, what: str) -> dict[str, str]:
+    pickles = [p.name for p in folder.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    weights = sorted(p for p in folder.rglob(f"*{WEIGHT_SUFFIX}") if p.is_file())
+    if not weights:
+        raise ValueError(f"{what}: no safetensors weights in {folder}" + (f" (only pickles {pickles})" if pickles else ""))
+    return {p.relative_to(folder).as_posix(): _sha256(p) for p in weights}
+
+
+def _read_config_vocab(folder: Path) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """Turn mappings/sequences (e.g. OmegaConf containers) into plain dicts/lists for YAML."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,312 @@
+"""ComposedLM: parity with HF generate, backend agreement, gating, sampling, refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from compose import ComposedLM, compose_logprobs
+
+VOCAB = 32
+EOS, PAD = 2, 0
+ARCHS = ["llama", "gpt2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads waiting
+    on each other at every op barrier make these tests ~30x slower; restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(arch: str, seed: int = 0, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        )
+        return LlamaForCausalLM(config).eval()
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_peft(arch: str, names=("a", "b"), seed: int = 0):
+    """A PeftModel with LoRA adapters whose B matrices are random (so experts really differ)."""
+    model = tiny_model(arch, seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return peft_model.eval()
+
+
+def merged_copy(peft_model, name):
+    return copy.deepcopy(peft_model).merge_and_unload(adapter_names=[name]).eval()
+
+
+def plain_copy(peft_model):
+    return copy.deepcopy(peft_model).unload().eval()
+
+
+def char_tokenizer(letters: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ") -> PreTrainedTokenizerFast:
+    specials = ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + list(letters))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        sep_token="<sep>", unk_token="<unk>",
+    )
+
+
+def left_padded_batch():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, VOCAB, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n_pad in ((0, 3), (1, 1)):
+        ids[row, :n_pad] = PAD
+        mask[row, :n_pad] = 0
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, n=12, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                          eos_token_id=EOS, pad_token_id=PAD, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_experts_equals_background_generate(arch):
+    ids, mask = left_padded_batch()
+    background = tiny_model(arch)
+    ref = hf_generate(background, ids, mask)
+    out = ComposedLM(background).generate(ids, mask, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(out, ref)
+    # The adapters backend with no adapter selected runs the bare base model.
+    peft_model = tiny_peft(arch)
+    ref = hf_generate(plain_copy(peft_model), ids, mask)
+    out = ComposedLM.from_peft(peft_model, []).generate(ids, mask, max_new_tokens=12, eos_token_id=EOS,
+                                                         pad_token_id=PAD)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_expert_at_weight_one_equals_expert_generate(arch):
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft(arch)
+    expert, background = merged_copy(peft_model, "a"), plain_copy(peft_model)
+    ref = hf_generate(expert, ids, mask)
+    assert not torch.equal(ref, hf_generate(background, ids, mask))  # the expert really differs
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ComposedLM(background, [expert]).generate(ids, mask, **kw), ref)
+    # Adapters backend vs peft's own generate with that adapter active.
+    peft_model.set_adapter("a")
+    ref_peft = hf_generate(peft_model, ids, mask)
+    assert torch.equal(ComposedLM.from_peft(peft_model, ["a"]).generate(ids, mask, **kw), ref_peft)
+
+
+def test_eos_stops_each_sequence_and_pads_like_hf():
+    ids, mask = left_padded_batch()
+    background = tiny_model("llama")
+    free = ComposedLM(background).generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD)
+    assert free.shape == (3, ids.shape[1] + 12)  # [] disables EOS stopping
+    eos = int(free[0, ids.shape[1] + 2])  # row 0 emits this at its 3rd step
+    ref = background.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              eos_token_id=eos, pad_token_id=PAD)
+    out = ComposedLM(background).generate(ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(out, ref)
+    row0 = out[0, ids.shape[1]:]
+    first = int((row0 == eos).nonzero()[0])
+    assert first <= 2 and (row0[first + 1:] == PAD).all()
+
+
+def test_eos_and_pad_default_to_tokenizer_then_generation_config():
+    ids, mask = left_padded_batch()
+    background = tiny_model("llama")
+    free = ComposedLM(background).generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD)
+    eos = int(free[1, ids.shape[1] + 1])
+    background.generation_config.eos_token_id = eos  # no tokenizer: the generation config decides
+    ref = background.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ComposedLM(background).generate(ids, mask, max_new_tokens=12), ref)
+    assert (ref[1, ids.shape[1] + 2:] == PAD).all()
+    # A tokenizer wins over the generation config: <eos> is id 2 there.
+    tok_eos = ComposedLM(background, tokenizer=char_tokenizer()).generate(ids, mask, max_new_tokens=12)
+    assert torch.equal(tok_eos, hf_generate(background, ids, mask))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backends_agree(arch):
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft(arch)
+    weights = [1.0, 0.7]
+    adapters = ComposedLM.from_peft(peft_model, ["a", "b"], weights=weights)
+    separate = ComposedLM(plain_copy(peft_model), [merged_copy(peft_model, "a"), merged_copy(peft_model, "b")],
+                          weights=weights, names=["a", "b"])
+    assert adapters.backend == "adapters" and separate.backend == "separate"
+    s_adapters, s_separate = adapters.score(ids, mask), separate.score(ids, mask)
+    assert s_adapters.shape == (3, 7, VOCAB) and s_adapters.dtype == torch.float32
+    assert (s_adapters - s_separate).abs().max().item() < 1e-5
+    # The experts really move the composition away from the background.
+    bg_lp, _ = separate.component_logprobs(ids, mask)
+    assert (s_separate - bg_lp)[mask.bool()].abs().max().item() > 0.1
+    kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(adapters.generate(ids, mask, **kw), separate.generate(ids, mask, **kw))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_score_is_compose_of_each_component_forward(arch):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=g)
+    peft_model = tiny_peft(arch)
+    background = plain_copy(peft_model)
+    experts = [merged_copy(peft_model, "a"), merged_copy(peft_model, "b")]
+    masks = torch.rand(2, 2, 6, generator=g) > 0.4
+    with torch.no_grad():
+        expected = compose_logprobs(background(ids).logits, [e(ids).logits for e in experts], [1.0, 2.0], masks)
+        with peft_model.disable_adapter():
+            bg_own = peft_model(ids).logits
+        own = []
+        for name in ("a", "b"):
+            peft_model.set_adapter(name)
+            own.append(peft_model(ids).logits)
+        expected_peft = compose_logprobs(bg_own, own, [1.0, 2.0], masks)
+    separate = ComposedLM(background, experts, weights=[1.0, 2.0])
+    torch.testing.assert_close(separate.score(ids, masks=masks), expected, atol=1e-6, rtol=0)
+    adapters = ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0, 2.0])
+    torch.testing.assert_close(adapters.score(ids, masks=masks), expected_peft, atol=1e-6, rtol=0)
+    bg_lp, ex_lp = adapters.component_logprobs(ids)
+    torch.testing.assert_close(bg_lp, bg_own.log_softmax(-1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ex_lp[1], own[1].log_softmax(-1), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- gates, sampling
+
+
+def test_gates():
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft("llama")
+    composed = ComposedLM.from_peft(peft_model, ["a", "b"])
+    kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+    background_only = hf_generate(plain_copy(peft_model), ids, mask, n=10)
+    never = [lambda prefix: torch.zeros(prefix.shape[0], dtype=torch.bool)] * 2
+    assert torch.equal(composed.generate(ids, mask, gates=never, **kw), background_only)
+    assert not torch.equal(composed.generate(ids, mask, **kw), background_only)
+    # A gate sees the growing prefix [B, t]; only expert "a", only from step 4 on.
+    seen = []
+
+    def late(prefix):
+        seen.append(prefix.shape[1])
+        return torch.full((prefix.shape[0],), prefix.shape[1] >= ids.shape[1] + 4)
+
+    out = composed.generate(ids, mask, gates=[late, never[1]], **kw)
+    assert seen == list(range(ids.shape[1], ids.shape[1] + 10))
+    assert torch.equal(out[:, : ids.shape[1] + 4], background_only[:, : ids.shape[1] + 4])
+    only_a = ComposedLM.from_peft(peft_model, ["a"]).generate(ids, mask, **kw)
+    assert not torch.equal(out, only_a) and not torch.equal(out, background_only)
+    # score with all-False masks is the background.
+    masks = torch.zeros(2, *ids.shape, dtype=torch.bool)
+    bg_lp, _ = composed.component_logprobs(ids, mask)
+    torch.testing.assert_close(composed.score(ids, mask, masks=masks), bg_lp, atol=1e-6, rtol=0)
+
+
+def test_sampling_seeded_and_top_k_one_is_greedy():
+    ids, mask = left_padded_batch()
+    composed = ComposedLM.from_peft(tiny_peft("llama"), ["a", "b"])
+    kw = dict(max_new_tokens=12, eos_token_id=[], pad_token_id=PAD)
+    runs = [composed.generate(ids, mask, do_sample=True, temperature=1.5, top_p=0.95,
+                              generator=torch.Generator().manual_seed(s), **kw) for s in (11, 11, 12)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    greedy = composed.generate(ids, mask, **kw)
+    top1 = composed.generate(ids, mask, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(top1, greedy)
+    assert not torch.equal(runs[0], greedy)
+
+
+def test_prefix_is_prefilled_once_then_one_token_per_step():
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft("llama")
+    lengths = []
+    peft_model.get_base_model().register_forward_pre_hook(
+        lambda mod, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    ComposedLM.from_peft(peft_model, ["a", "b"]).generate(ids, mask, max_new_tokens=6, eos_token_id=[])
+    assert lengths == [(9, 7)] + [(9, 1)] * 5  # one (k+1)·B forward per step, never the prefix again
+
+
+def test_modes_are_restored_and_float32_composition():
+    peft_model = tiny_peft("llama")
+    peft_model.train()
+    composed = ComposedLM.from_peft(peft_model, ["a"])
+    ids = torch.randint(3, VOCAB, (1, 5))
+    composed.generate(ids, max_new_tokens=2, eos_token_id=[])
+    assert peft_model.training and all(m.training for m in peft_model.modules())
+    background = tiny_model("llama").to(torch.bfloat16)
+    out = ComposedLM(background, [tiny_model("llama", seed=1).to(torch.bfloat16)]).to("cpu").score(ids)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(1, 5))
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _forbid_forward(monkeypatch, *models):
+    def boom(*args, **kwargs):
+        raise AssertionError("forward ran before the vocabulary check")
+
+    for m in models:
+        monkeypatch.setattr(m, "forward", boom)
+
+
+def test_different_vocab_sizes_refused_before_forward(monkeypatch):
+    background, other = tiny_model("llama"), tiny_model("llama", seed=1, vocab=VOCAB + 1)
+    _forbid_forward(monkeypatch, background, other)
+    with pytest.raises(ValueError, match=r"expert 'wide'.*vocab"):
+        ComposedLM(background, [other], names=["wide"])
+    gpt2 = tiny_model("gpt2", vocab=VOCAB - 2)
+    _forbid_forward(monkeypatch, gpt2)
+    with pytest.raises(ValueError, match="expert 'expert_1'"):
+        ComposedLM(background, [tiny_model("llama", seed=2), gpt2])
+
+
+def test_different_tokenizers_refused_before_forward(monkeypatch):
+    background, expert = tiny_model("llama"), tiny_model("llama", seed=1)
+    _forbid_forward(monkeypatch, background, expert)
+    same = ComposedLM(background, [expert], tokenizer=[char_tokenizer(), char_tokenizer()])
+    assert same.tokenizer.get_vocab() == char_tokenizer().get_vocab()
+    with pytest.raises(ValueError, match="expert 'expert_0'.*vocabulary"):
+        ComposedLM(background, [expert], tokenizer=[char_tokenizer(), char_tokenizer("ABCDEFGHIJKLMNOPQRSTUVWXZY")])
+    other_eos = char_tokenizer()
+    other_eos.eos_token = "<sep>"
+    with pytest.raises(ValueError, match="expert 'expert_0'.*special tokens"):
+        ComposedLM(background, [expert], tokenizer=[char_tokenizer(), other_eos])
+
+
+def test_bad_arguments():
+    peft_model = tiny_peft("llama")
+    with pytest.raises(ValueError, match="'zz' is not in the PeftModel"):
+        ComposedLM.from_peft(peft_model, ["a", "zz"])
+    with pytest.raises(ValueError, match="weights has 1 entries but there are 2"):
+        ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0])
+    with pytest.raises(ValueError, match="gates has 1 entries"):
+        ComposedLM.from_peft(peft_model, ["a", "b"]).generate(torch.ones(1, 3, dtype=torch.long), gates=[None])
