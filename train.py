@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         from lightning_modules.report import print_summary
         from lightning_modules.stages import run
 
-        summary = run(cfg)
+        summary = run(cfg, command=" ".join(["python train.py", *argv]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

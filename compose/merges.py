@@ -64,7 +64,7 @@ def task_arithmetic(background: PreTrainedModel, experts: Sequence[PreTrainedMod
         if not torch.is_floating_point(value):
             new[key] = value
             continue
-        delta = sum(w * (s[key].to(value.dtype) - value) for w, s in zip(weights, states))
+        delta = sum(w * (s[key].to(value.dtype) - value) for w, s in zip(weights, states, strict=True))
         new[key] = value + delta
     merged.load_state_dict(new)
     return merged

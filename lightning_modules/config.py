@@ -84,7 +84,7 @@ class LoraSettings:
 
 @dataclass
 class ExpertTrainingConfig:
-    mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies)
+    mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies) | head (output layer only)
     lora: LoraSettings = field(default_factory=LoraSettings)
     max_steps: int = 150
     corruption_prob: float = 0.2
@@ -137,15 +137,17 @@ class RunConfig:
     experts: list[ExpertSpec] = field(default_factory=list)
     composition: CompositionConfig = field(default_factory=CompositionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    # Ablations and baselines run after the main pipeline (see lightning_modules/ablations.py).
+    # Ablations (named override sets, lightning_modules/ablations.py) run as sub-runs for each k in
+    # ablation_ks (empty: the run's own k); baselines are parameter-space merges of the run's experts.
     ablations: list[str] = field(default_factory=list)
+    ablation_ks: list[int] = field(default_factory=list)
     baselines: list[str] = field(default_factory=list)
     report: bool = True
 
 
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
-    "expert.mode": ("lora", "full"),
+    "expert.mode": ("lora", "full", "head"),
     "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
     "expert.reg_data": ("own", "background", "composition", "own+background"),
 }

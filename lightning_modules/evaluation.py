@@ -20,9 +20,7 @@ from compose.metrics import (
     ProjectivityError,
     SequenceNLL,
 )
-from data.letters import RuleSet, apply_rules
-from data.tokenizer import letter_ids  # noqa: F401  (documented companion of the tokenizer)
-from data.letters import decode_outputs, prompt_batch
+from data.letters import RuleSet, apply_rules, decode_outputs, prompt_batch
 
 
 @torch.no_grad()
@@ -72,7 +70,7 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
     results["exact_match"] = float(em.compute())
     for i, rs in enumerate(rule_sets):
         hits = total = 0
-        for x, y, p in zip(xs, ys, preds):
+        for x, y, p in zip(xs, ys, preds, strict=True):
             for j, c in enumerate(x):
                 if c in rs.sources:
                     total += 1

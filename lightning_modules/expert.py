@@ -43,7 +43,8 @@ class ExpertLM(pl.LightningModule):
     Args:
         background: the background HF causal LM (frozen; LoRA adapters are attached to it).
         names: the experts trained here; a batch's `expert_index` indexes this list.
-        mode: "lora" (peft adapters) or "full" (a full copy per expert).
+        mode: "lora" (peft adapters), "full" (a full copy per expert) or "head" (a copy per expert whose
+            output layer alone trains: the linear setting of METHOD.md §2).
         lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
         reg_weight: λ of the regularizer; 0 is plain fine-tuning.
         divergence, jsd_beta, temperature: the divergence `D` (see `losses.divergence`).
@@ -94,15 +95,21 @@ class ExpertLM(pl.LightningModule):
             for name, path in (frozen_adapters or {}).items():
                 self.model.load_adapter(path, adapter_name=name, is_trainable=False)
             self.model.set_requires_grad(self.names, True)
-        elif mode == "full":
+        elif mode in ("full", "head"):
             if frozen_adapters:
                 raise ValueError("frozen_adapters (compose_with) needs mode='lora'")
             self.background = background.eval()
             self.experts = nn.ModuleDict({n: copy.deepcopy(background) for n in self.names})
-            for p in self.experts.parameters():
-                p.requires_grad_(True)
+            for expert in self.experts.values():
+                # "head": only the output layer trains: logits are linear in the trained parameters, the
+                # setting where task arithmetic equals composition (METHOD.md §2).
+                trainable = expert.get_output_embeddings() if mode == "head" else expert
+                if mode == "head" and expert.get_output_embeddings().weight is expert.get_input_embeddings().weight:
+                    raise ValueError("mode='head' needs untied input/output embeddings")
+                for p in trainable.parameters():
+                    p.requires_grad_(True)
         else:
-            raise ValueError(f"mode={mode!r} is not one of lora, full")
+            raise ValueError(f"mode={mode!r} is not one of lora, full, head")
         metric = lambda region: nn.ModuleDict({n: MaskedDivergence(region=region) for n in self.names})  # noqa: E731
         self.val_off_mask_kl, self.val_on_mask_kl = metric("off"), metric("on")
         self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=active_threshold) for n in self.names})
@@ -128,7 +135,7 @@ class ExpertLM(pl.LightningModule):
 
     @torch.no_grad()
     def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        if self.hparams.mode == "full":
+        if self.hparams.mode != "lora":
             return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
         model = self.peft_model
         with model.disable_adapter(), _eval_mode(model):

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lightning_modules.config import ConfigError, ModelConfig
 

@@ -1,22 +1,432 @@
-"""The run's human-readable summary: a table in the terminal (and report.md, see issue 4)."""
+"""The run's human-readable report: a table in the terminal, and `report.md` with plots in the output folder.
+
+`print_summary(summary)` prints the component table of a run's `summary.json`; `write_report(summary, out_dir)`
+writes `out_dir/report.md` with every section the summary holds (components, composition details, parameter-merge
+baselines, ablations, timing, how to reproduce) and embeds two plots: composed exact match against the number of
+experts `k` per ablation variant, and the per-position divergence of each expert from the background with the
+expert's mask outlined (the picture of "an expert acts only on its mask").
+
+matplotlib is imported lazily inside the plotting functions (Agg backend), so importing this module stays light.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
 
-def _fmt(v) -> str:
-    return f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))
+COMPONENT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("exact_match", "exact match"),
+    ("off_mask_kl", "off-mask KL"),
+    ("on_mask_kl", "on-mask KL"),
+    ("max_off_mask_log_ratio", "max off-mask log-ratio"),
+    ("skill_accuracy", "skill accuracy"),
+)
+FAILURE_ORDER: tuple[str, ...] = ("correct", "rule_not_applied", "wrong_letter_elsewhere", "length_or_eos")
+ACCURACY_PLOT = "accuracy_vs_k.png"
+HEATMAP_PLOT = "divergence_heatmap.png"
+DIVERGENCE_MAP = "divergence_map.json"
+_KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
+                           "overlapping_sources"}
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+
+
+def _fmt(v, digits: int = 4) -> str:
+    """Format one table cell: floats to `digits` decimals (scientific when that would print a nonzero as 0)."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v != 0 and abs(v) < 0.5 * 10 ** (-digits):
+            return f"{v:.2e}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table as lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _k_sorted(ks) -> list[str]:
+    """k keys (strings in JSON) sorted numerically where possible."""
+    def key(k):
+        try:
+            return (0, float(k), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(k))
+    return sorted((str(k) for k in ks), key=key)
+
+
+def _failure_keys(*failure_dicts: dict) -> list[str]:
+    """Failure types in the canonical order, then any others in first-seen order."""
+    seen = [k for k in FAILURE_ORDER if any(k in d for d in failure_dicts)]
+    for d in failure_dicts:
+        seen += [k for k in d if k not in seen]
+    return seen
+
+
+def _component_rows(summary: dict) -> list[list[str]]:
+    """Rows of the component table: background, each expert, the composition."""
+    rows = []
+    background = summary.get("background") or {}
+    rows.append(["background (copy)"] + [_fmt(background.get(k)) for k, _ in COMPONENT_COLUMNS])
+    for name, e in (summary.get("experts") or {}).items():
+        label = f"expert {name}"
+        if e.get("trained_in") == "compose_with":
+            label += " (earlier export)"
+        rows.append([label] + [_fmt(e.get(k)) for k, _ in COMPONENT_COLUMNS])
+    if "composition" in summary:
+        c = summary["composition"]
+        label = f"**composition (k={c.get('k', '?')}, n={c.get('n_test', '?')})**"
+        rows.append([label, f"**{_fmt(c.get('exact_match'))}**"] + ["-"] * (len(COMPONENT_COLUMNS) - 1))
+    return rows
+
+
+def _component_header() -> list[str]:
+    return ["component"] + [title for _, title in COMPONENT_COLUMNS]
 
 
 def print_summary(summary: dict) -> None:
+    """Print the run's component table (markdown-style) to the terminal, then where the report is.
+
+    Args:
+        summary: the run summary (as in `summary.json`); every section but `background` may be missing.
+    """
     print()
-    print("| component | exact match | off-mask KL | max off-mask log-ratio |")
-    print("|---|---|---|---|")
-    print(f"| background (copy) | {_fmt(summary['background']['exact_match'])} | - | - |")
-    for name, e in summary.get("experts", {}).items():
-        print(f"| expert {name} | {_fmt(e.get('exact_match'))} | {_fmt(e.get('off_mask_kl'))} "
-              f"| {_fmt(e.get('max_off_mask_log_ratio'))} |")
+    for line in _table(_component_header(), _component_rows(summary)):
+        print(line)
+    print()
+    out = summary.get("output_dir")
+    timing = summary.get("timing") or {}
+    total = f"  ({_fmt(timing['total_s'], 1)} s)" if "total_s" in timing else ""
+    if out:
+        print(f"output: {out}{total}")
+        print(f"report: {Path(out) / 'report.md'}")
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def plot_accuracy_vs_k(summary: dict, path: str | Path) -> Path | None:
+    """Plot composed exact match against the number of experts `k`, one line per ablation variant.
+
+    Args:
+        summary: the run summary; reads `summary["ablations"][variant]["k"][k]["exact_match"]`.
+        path: the PNG file to write.
+
+    Returns:
+        The path written, or None when the summary holds no ablation results to plot.
+    """
+    series = []
+    for variant, entry in (summary.get("ablations") or {}).items():
+        per_k = (entry or {}).get("k") or {}
+        pts = [(float(k), per_k[k]["exact_match"]) for k in _k_sorted(per_k)
+               if isinstance(per_k[k], dict) and per_k[k].get("exact_match") is not None]
+        if pts:
+            series.append((variant, pts))
+    if not series:
+        return None
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = "osD^vP*Xh<>"
+    fig, ax = plt.subplots(figsize=(6.0, 4.0), layout="constrained")
+    all_ks = sorted({k for _, pts in series for k, _ in pts})
+    for i, (variant, pts) in enumerate(series):
+        ks, accs = zip(*pts, strict=True)
+        ax.plot(ks, accs, marker=markers[i % len(markers)], linewidth=1.8, markersize=7, label=variant)
+    ax.set_xticks(all_ks, [f"{k:g}" for k in all_ks])
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("number of composed experts k")
+    ax.set_ylabel("composed exact match")
+    ax.set_title(f"Composition accuracy vs k ({summary.get('experiment', 'run')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="variant", loc="best")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _check_divergence_map(divergence_map: dict, max_experts: int, max_inputs: int):
+    """Validate the map's shapes; return (experts, inputs, token labels per input, divergence, masks), truncated."""
+    for key in ("experts", "inputs", "outputs", "divergence", "masks"):
+        if key not in divergence_map:
+            raise ValueError(f"divergence_map is missing the key {key!r}")
+    experts, inputs, outputs = divergence_map["experts"], divergence_map["inputs"], divergence_map["outputs"]
+    div, masks = divergence_map["divergence"], divergence_map["masks"]
+    if len(outputs) != len(inputs):
+        raise ValueError(f"divergence_map has {len(inputs)} inputs but {len(outputs)} outputs")
+    for key, value in (("divergence", div), ("masks", masks)):
+        if len(value) != len(experts):
+            raise ValueError(f"divergence_map[{key!r}] has {len(value)} rows, expected one per expert ({len(experts)})")
+        for e, per_input in enumerate(value):
+            if len(per_input) != len(inputs):
+                raise ValueError(f"divergence_map[{key!r}][{e}] has {len(per_input)} entries, "
+                                 f"expected one per input ({len(inputs)})")
+    labels = []
+    for n, y in enumerate(outputs):
+        tokens = list(y)
+        n_pos = len(div[0][n]) if experts else len(tokens) + 1
+        if n_pos == len(tokens) + 1:
+            tokens = tokens + ["eos"]
+        elif n_pos != len(tokens):
+            raise ValueError(f"divergence_map['divergence'][0][{n}] has {n_pos} positions, "
+                             f"expected len(outputs[{n}]) + 1 = {len(tokens) + 1}")
+        for e in range(len(experts)):
+            if len(div[e][n]) != n_pos or len(masks[e][n]) != n_pos:
+                raise ValueError(f"divergence_map expert {experts[e]!r} input {n}: divergence has {len(div[e][n])} "
+                                 f"and masks {len(masks[e][n])} positions, expected {n_pos}")
+        labels.append(tokens)
+    n_e, n_i = min(len(experts), max_experts), min(len(inputs), max_inputs)
+    return (list(experts[:n_e]), list(inputs[:n_i]), labels[:n_i],
+            [row[:n_i] for row in div[:n_e]], [row[:n_i] for row in masks[:n_e]])
+
+
+def _runs(mask: Sequence) -> list[tuple[int, int]]:
+    """Contiguous runs of truthy entries as (start, length)."""
+    runs, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def plot_divergence_heatmap(divergence_map: dict, path: str | Path, max_experts: int = 8,
+                            max_inputs: int = 4) -> Path | None:
+    """Plot each expert's per-position divergence from the background, with the expert's mask outlined.
+
+    A grid of panels, experts (rows) × inputs (columns); each panel is a one-row heatmap of
+    `KL(p_b || p_i)` at every output position (log-scaled colour shared by all panels) with the output
+    tokens as x tick labels, and a rectangle around each run of positions where the expert's mask is 1.
+    A composable expert is dark outside its rectangles.
+
+    Args:
+        divergence_map: `{"experts", "inputs", "outputs", "divergence", "masks"}` as written to
+            `divergence_map.json` (divergence and masks indexed `[expert][input][position]`).
+        path: the PNG file to write.
+        max_experts: at most this many experts (rows) are drawn.
+        max_inputs: at most this many inputs (columns) are drawn.
+
+    Returns:
+        The path written, or None when the map holds no expert or no input.
+
+    Raises:
+        ValueError: when a key is missing or the per-position lists do not match the outputs' lengths.
+    """
+    if not divergence_map or not divergence_map.get("experts") or not divergence_map.get("inputs"):
+        return None
+    experts, inputs, labels, div, masks = _check_divergence_map(divergence_map, max_experts, max_inputs)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+
+    values = np.array([v for row in div for per_input in row for v in per_input], dtype=float)
+    finite = values[np.isfinite(values)]
+    vmax = float(finite.max()) if finite.size else 1.0
+    positive = finite[finite > 0]
+    vmin = max(float(positive.min()) if positive.size else 1e-6, vmax * 1e-6, 1e-8)
+    if vmax <= vmin:
+        vmax = vmin * 10.0
+    norm = LogNorm(vmin=vmin, vmax=vmax, clip=True)
+
+    n_e, n_i = len(experts), len(inputs)
+    max_len = max(len(t) for t in labels)
+    panel_w = max(2.6, 0.32 * max_len)
+    fig, axes = plt.subplots(n_e, n_i, figsize=(panel_w * n_i + 1.6, 0.95 * n_e + 1.3), squeeze=False,
+                             layout="constrained")
+    image = None
+    for e in range(n_e):
+        for n in range(n_i):
+            ax = axes[e][n]
+            row = np.nan_to_num(np.asarray(div[e][n], dtype=float), nan=vmin, posinf=vmax, neginf=vmin)
+            image = ax.imshow(np.clip(row, vmin, vmax)[None, :], aspect="auto", cmap="magma", norm=norm)
+            for start, length in _runs(masks[e][n]):
+                ax.add_patch(Rectangle((start - 0.5, -0.5), length, 1.0, fill=False, edgecolor="#00e5ff",
+                                       linewidth=2.2))
+            ax.set_xticks(range(len(labels[n])), labels[n], fontsize=7)
+            ax.set_xlim(-0.5, len(labels[n]) - 0.5)
+            ax.set_yticks([])
+            if n == 0:
+                ax.set_ylabel(str(experts[e]), rotation=0, ha="right", va="center", fontsize=9)
+            if e == 0:
+                x = str(inputs[n])
+                ax.set_title(f"x = {x if len(x) <= 28 else x[:25] + '...'}", fontsize=8)
+    cbar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.9, pad=0.01)
+    cbar.set_label("KL(p_b || p_i)  (log scale)")
+    fig.suptitle("Per-position divergence of each expert from the background (cyan boxes: the expert's mask)",
+                 fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- report.md
+
+
+def _composition_section(c: dict) -> list[str]:
+    lines = ["## Composition", ""]
+    facts = [("compositional test inputs (n_test)", c.get("n_test")), ("experts composed (k)", c.get("k")),
+             ("exact match", c.get("exact_match")), ("NLL per token", c.get("nll")),
+             ("projectivity error", c.get("projectivity_error"))]
+    facts += [(k, v) for k, v in c.items() if k not in _KNOWN_COMPOSITION_KEYS and isinstance(v, (int, float))]
+    lines += [f"- {name}: {_fmt(v)}" for name, v in facts if v is not None]
+    lines.append("")
+    failures = c.get("failures") or {}
+    if failures:
+        lines += ["### Failure types (fraction of compositional test inputs)", ""]
+        lines += _table(["type", "fraction"], [[k, _fmt(failures[k])] for k in _failure_keys(failures)])
+        lines.append("")
+    overlap = c.get("overlap") or {}
+    if overlap:
+        lines += ["### Pairwise mask overlap (IoU of the experts' masks on the test inputs)", ""]
+        lines += _table(["pair", "IoU"], [[pair.replace("__", " × "), _fmt(v)] for pair, v in overlap.items()])
+        lines.append("")
+    sources = c.get("overlapping_sources")
+    if sources:
+        lines += ["Overlapping rule sources (experts whose masks can claim the same positions): "
+                  + ", ".join(f"`{s}`" for s in sources), ""]
+    return lines
+
+
+def _baselines_section(summary: dict) -> list[str]:
+    baselines = summary.get("baselines") or {}
+    composed = (summary.get("composition") or {}).get("exact_match")
+    lines = ["## Baselines: parameter-space merges", "",
+             "Task arithmetic merges the experts into one set of weights (θ_b + Σ (θ_i − θ_b)); TIES and DARE do "
+             "the same after trimming/sign-resolving or randomly dropping and rescaling the deltas. The composition "
+             "instead keeps every model and combines their next-token distributions at each step, "
+             "log_softmax(lp_b + Σ w_i (lp_i − lp_b)). A merge only matches the composition when the experts' "
+             "effects add up linearly in weight space; \"Δ vs composition\" is the merge's exact match minus the "
+             "composition's, and \"max log-prob gap\" the largest difference between the merged model's and the "
+             "composed model's log-probabilities on the test outputs.", ""]
+    rows = []
+    if composed is not None:
+        rows.append(["composition (ours)", _fmt(composed), _fmt(0.0), "-"])
+    for method, b in baselines.items():
+        em = (b or {}).get("exact_match")
+        delta = em - composed if em is not None and composed is not None else None
+        rows.append([method.replace("_", " "), _fmt(em), _fmt(delta), _fmt((b or {}).get("max_logprob_gap_vs_composed"))])
+    lines += _table(["method", "exact match", "Δ vs composition", "max log-prob gap"], rows)
+    return lines + [""]
+
+
+def _ablations_section(ablations: dict) -> list[str]:
+    ks = _k_sorted({k for v in ablations.values() for k in ((v or {}).get("k") or {})})
+    lines = ["## Ablations", "", "### Composed exact match by number of experts k", ""]
+    rows = []
+    for variant, v in ablations.items():
+        per_k = (v or {}).get("k") or {}
+        desc = (v or {}).get("description") or ""
+        overrides = " ".join(f"`{o}`" for o in (v or {}).get("overrides") or [])
+        rows.append([f"**{variant}**", desc, overrides or "-"]
+                    + [_fmt((per_k.get(k) or {}).get("exact_match")) for k in ks])
+    lines += _table(["variant", "description", "overrides"] + [f"k={k}" for k in ks], rows)
+    lines += ["", "### Factorizability and failure types per variant and k", ""]
+    all_failures = [(e or {}).get("failures") or {} for v in ablations.values()
+                    for e in ((v or {}).get("k") or {}).values()]
+    fkeys = _failure_keys(*all_failures)
+    rows = []
+    for variant, v in ablations.items():
+        per_k = (v or {}).get("k") or {}
+        for k in _k_sorted(per_k):
+            r = per_k[k] or {}
+            f = r.get("failures") or {}
+            rows.append([variant, k, _fmt(r.get("off_mask_kl")), _fmt(r.get("max_off_mask_log_ratio")),
+                         _fmt(r.get("experts_min_exact_match"))] + [_fmt(f.get(name)) for name in fkeys])
+    lines += _table(["variant", "k", "off-mask KL", "max off-mask log-ratio", "min expert exact match"] + fkeys, rows)
+    return lines + [""]
+
+
+def _reproduce_section(summary: dict) -> list[str]:
+    command = summary.get("command")
+    out = summary.get("output_dir")
+    lines = ["## Reproduce", ""]
+    if command:
+        lines += ["```bash", str(command), "```"]
+    elif out:
+        lines += ["Rerun with this run's resolved config (into a fresh output folder):", "",
+                  "```bash", f"python train.py {Path(out) / 'config.yaml'} output_dir={out}-rerun", "```"]
+    else:
+        lines += ["```bash", f"python train.py seed={summary.get('seed', 0)}", "```"]
+    return lines + [""]
+
+
+def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None = None) -> Path:
+    """Write `out_dir/report.md` (and its PNG plots) from a run summary.
+
+    Args:
+        summary: the run summary (as in `summary.json`); every section but `background` may be missing.
+        out_dir: the run's output folder; the report and plots are written there.
+        divergence_map: the per-position divergences to draw; when None, `out_dir/divergence_map.json` is
+            loaded if it exists.
+
+    Returns:
+        The path of `report.md`.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if divergence_map is None and (out_dir / DIVERGENCE_MAP).is_file():
+        divergence_map = json.loads((out_dir / DIVERGENCE_MAP).read_text())
+    for stale in (ACCURACY_PLOT, HEATMAP_PLOT):
+        (out_dir / stale).unlink(missing_ok=True)
+
+    title = f"# Run report: {summary.get('experiment', 'run')}"
+    if "seed" in summary:
+        title += f" (seed {summary['seed']})"
+    lines = [title, ""]
+    if summary.get("output_dir"):
+        lines.append(f"- output folder: `{summary['output_dir']}`")
+    if summary.get("export"):
+        lines.append(f"- export for composition: `{summary['export']}`")
+    lines += ["", "## Components", "",
+              "Exact match of each component on its own held-out test data (the background on copying, each expert "
+              "alone on its rule, the composition on the compositional test set); divergences from the background "
+              "measured on the compositional test set.", ""]
+    lines += _table(_component_header(), _component_rows(summary)) + [""]
+
     if "composition" in summary:
-        c = summary["composition"]
-        print(f"| **composition (k={c['k']}, n={c['n_test']})** | **{_fmt(c['exact_match'])}** | - | - |")
-    print()
-    print(f"output: {summary['output_dir']}  ({summary['timing']['total_s']} s)")
+        lines += _composition_section(summary["composition"])
+    if summary.get("baselines"):
+        lines += _baselines_section(summary)
+    if summary.get("ablations"):
+        lines += _ablations_section(summary["ablations"])
+        if plot_accuracy_vs_k(summary, out_dir / ACCURACY_PLOT) is not None:
+            lines += [f"![composed exact match vs k]({ACCURACY_PLOT})", ""]
+    if divergence_map and plot_divergence_heatmap(divergence_map, out_dir / HEATMAP_PLOT) is not None:
+        lines += ["## Where each expert acts", "",
+                  "Divergence KL(p_b ‖ p_i) of each expert from the background at every output position of a few "
+                  "compositional test inputs (log colour scale); boxes outline the expert's mask, where it may act. "
+                  "A composable expert is dark outside its boxes.", "",
+                  f"![per-position divergence]({HEATMAP_PLOT})", ""]
+    timing = summary.get("timing") or {}
+    if timing:
+        lines += ["## Timing", ""]
+        lines += _table(["stage", "seconds"], [[k.removesuffix("_s"), _fmt(v, 1)] for k, v in timing.items()])
+        lines.append("")
+    lines += _reproduce_section(summary)
+
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -22,15 +22,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from compose import ComposedLM
 from compose.export import load_manifest
+from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
 from data.datamodules import BackgroundDataModule, ExpertDataModule, LettersDataConfig
 from data.letters import LettersCollator, RuleSet, validate_rule_sets
 from data.tokenizer import build_char_tokenizer
+from lightning_modules.ablations import check_ablations, run_ablations
 from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
 from lightning_modules.config import ConfigError
 from lightning_modules.evaluation import evaluate_composition, exact_match
 from lightning_modules.expert import ExpertLM
 from lightning_modules.models import build_causal_lm, count_parameters, load_pretrained
+from lightning_modules.report import write_report
+from losses import divergence
 
 
 @dataclass
@@ -118,8 +122,8 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
                                  every_n_train_steps=t.val_check_interval, save_top_k=1, auto_insert_metric_name=False)
     loggers = [CSVLogger(out / "logs", name=stage, version="")]
     try:
-        from lightning.pytorch.loggers import TensorBoardLogger
         import tensorboard  # noqa: F401
+        from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(out / "logs", name=stage, version="tb"))
     except ImportError:
@@ -246,12 +250,63 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     }
     if plan.overlaps:
         summary["composition"]["overlapping_sources"] = plan.overlaps
+    test_set = dm.compositional_dataset("test")
+    write_divergence_map(module.composed_model(tok), test_set.select(range(min(4, len(test_set)))), collate,
+                         plan.out / "divergence_map.json")
+    if cfg.baselines:
+        summary["baselines"] = merge_baselines(cfg, plan, module, test_set, collate)
     return summary
 
 
-def run(cfg: DictConfig) -> dict:
+def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set, collate) -> dict:
+    """The same experts merged in parameter space, scored on the compositional test set.
+
+    Also records how far task arithmetic's log-probs are from the composition's (METHOD.md §2: equal in
+    the linear setting, apart elsewhere).
+    """
+    tok, bs, names = plan.tokenizer, cfg.composition.eval_batch_size, [r.name for r in plan.in_play]
+    composed = module.composed_model(tok)
+    batch = collate([test_set[i] for i in range(min(len(test_set), bs))])
+    valid = batch["targets"] != -100
+    composed_lp = composed.score(batch["input_ids"], batch["attention_mask"])
+    results = {}
+    for method in cfg.baselines:
+        if module.hparams.mode == "lora":
+            merged_name = merge_adapters(module.peft_model, names, method, weights=composed.weights, seed=cfg.seed)
+            merged = ComposedLM.from_peft(module.peft_model, [merged_name], tokenizer=tok)
+        elif method == "task_arithmetic":
+            merged = ComposedLM(task_arithmetic(module.background, [module.experts[n] for n in names],
+                                                composed.weights), tokenizer=tok)
+        else:
+            continue  # TIES and DARE are implemented for LoRA adapters (peft) only
+        merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
+        results[method] = {
+            "exact_match": exact_match(merged, tok, list(test_set["x"]), plan.in_play, bs),
+            "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
+        }
+        if module.hparams.mode == "lora":
+            module.peft_model.delete_adapter(merged_name)
+    return results
+
+
+@torch.no_grad()
+def write_divergence_map(composed: ComposedLM, rows, collate, path: Path) -> None:
+    """Per output position, KL(p_b ‖ p_i) of each expert on a few test inputs, with its mask (for the heatmap)."""
+    batch = collate([rows[i] for i in range(len(rows))])
+    lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
+    kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl")  # [k, B, T]
+    out = {"experts": list(composed.names), "inputs": list(rows["x"]), "outputs": list(rows["y"]),
+           "divergence": [], "masks": []}
+    for i in range(len(composed.names)):
+        out["divergence"].append([kl[i, b][batch["targets"][b] != -100].tolist() for b in range(len(rows))])
+        out["masks"].append([batch["masks"][b, i][batch["targets"][b] != -100].int().tolist() for b in range(len(rows))])
+    _atomic_write_text(path, json.dumps(out))
+
+
+def run(cfg: DictConfig, command: str | None = None) -> dict:
     """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`)."""
     t0 = time.time()
+    check_ablations(cfg)
     plan = plan_run(cfg)
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -266,12 +321,19 @@ def run(cfg: DictConfig) -> dict:
     if plan.trained:
         module, dm = experts_stage(cfg, plan, background_path)
     timing["experts_s"] = time.time() - t0 - timing["background_s"]
-    summary = composition_stage(cfg, plan, background_path, module, dm)
+    summary = {"experiment": cfg.experiment, "seed": cfg.seed, "command": command,
+               **composition_stage(cfg, plan, background_path, module, dm)}
+    timing["composition_s"] = time.time() - t0 - timing["background_s"] - timing["experts_s"]
+    if cfg.ablations:
+        summary["ablations"] = run_ablations(cfg, plan.out, background_path)
+        timing["ablations_s"] = time.time() - t0 - sum(timing.values())
     timing["total_s"] = time.time() - t0
     summary["timing"] = {k: round(v, 1) for k, v in timing.items()}
     summary["output_dir"] = str(plan.out)
     summary["export"] = str(plan.out / "export") if plan.trained else None
     _atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
+    if cfg.report:
+        summary["report"] = str(write_report(summary, plan.out))
     return summary
 
 

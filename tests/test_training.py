@@ -142,3 +142,26 @@ def test_expert_lm_fits_with_lightning_trainer(tokenizer):
     t = trainer(3)
     t.fit(module, datamodule=dm)
     assert t.global_step == 3 and "train/loss" in t.logged_metrics
+
+
+def test_head_mode_trains_only_the_output_layer_and_merges_exactly(tokenizer):
+    """The linear setting: experts that fine-tune only the output layer; task arithmetic == composition."""
+    from compose.merges import max_logprob_gap, task_arithmetic
+
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], mode="head", lr=1e-2, max_steps=5,
+                      warmup_ratio=0.0)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lm_head" in n for n in trainable)
+    batch, _ = expert_batch(tokenizer)
+    opt = module.configure_optimizers()["optimizer"]
+    for _ in range(5):
+        opt.zero_grad()
+        module.training_step(batch, 0).backward()
+        opt.step()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    composed = module.composed_model().score(ids, attn)
+    merged = task_arithmetic(module.background, [module.experts[n] for n in module.names])
+    with torch.no_grad():
+        merged_lp = merged(input_ids=ids, attention_mask=attn).logits.log_softmax(-1)
+    assert max_logprob_gap(merged_lp, composed, attn.bool()) < 1e-4
+    assert max_logprob_gap(module.background_logits(ids, attn), composed, attn.bool()) > 1e-3  # experts moved

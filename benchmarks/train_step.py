@@ -1,0 +1,285 @@
+"""Expert training-step cost: plain fine-tuning vs the off-mask regularizer, side by side in one run.
+
+The default experiment's set-up (``configs/default.yaml``): a Llama background (hidden 64, 2 layers, 4
+heads, intermediate 256, the A–Z character vocabulary), two experts A→B and C→D trained at once, 64 rows
+per expert (128 rows a step), inputs of 8–16 letters with prefix corruption 0.2. Rows of the table:
+
+* ``plain`` — ``ExpertLM(reg_weight=0)``: one expert forward (LoRA: one mixed-adapter forward) +
+  backward + AdamW step. ``log_every_n_steps`` is set huge, so the background logits that the λ=0 path
+  computes for logging (every ``log_every_n_steps`` steps) are never computed on a timed step; the
+  script counts background forwards on timed steps and prints the count.
+* ``regularized`` — ``reg_weight=1``, forward KL on the expert's own batches: adds one no-grad
+  background forward (peft ``disable_adapter()``; the frozen copy in full fine-tuning).
+* ``cached bg`` — the same loss (task NLL + λ·``losses.off_mask_divergence``) with the background
+  logits of each batch computed *before* the timed region. The framework has no such cache option:
+  this row is the bound a cache would give.
+
+Each step runs through Lightning (``Trainer.fit`` with automatic optimization, no logger, no
+checkpointing, no validation), timed from one ``on_train_batch_start`` to the next, so the figure is a
+whole loop iteration as the framework runs it. Every repetition fits every configuration in turn
+(interleaved) for ``--warmup`` + ``--steps`` steps on the same pre-collated batches and keeps the median of
+the timed steps; the table gives the median over repetitions.
+
+The composition line times what ``CompositionEvaluation`` does at each validation (compose the background
+with both experts, ``evaluate_composition`` on ``composition.val_limit`` = 200 compositional validation
+inputs: greedy decoding + teacher-forced metrics) and compares it with the ``trainer.val_check_interval``
+= 50 regularized LoRA steps between two validations. The background is untrained (random weights) unless
+``--background`` names a trained HF folder; an untrained model rarely emits ``<eos>``, so its decoding
+runs to ``max_new_tokens`` (the longest input + 2), one or two tokens more than a trained copy model.
+
+Usage::
+
+    python benchmarks/train_step.py [--reps 5] [--steps 5] [--warmup 2] [--threads N] [--no-full]
+                                    [--background HF_FOLDER] [--out benchmarks/RESULTS_train_step.md]
+
+Before timing, the script reads the load average: above ``--max-load`` (1.0) it waits, polling every 15 s
+for up to ``--wait`` (180) s, and if the machine stays loaded it runs with 1 intra-op thread (unless
+``--threads`` was given): on a loaded 2-core machine torch's 2 threads wait on each other at every op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"regularized": 1.4, "cached bg": 1.1}  # DESIGN.md: ratio to the plain step
+
+
+def wait_for_quiet(max_load: float, wait_s: float, poll_s: float = 15.0) -> tuple[float, float, bool]:
+    """Wait (up to ``wait_s``) for the 1-minute load average to drop to ``max_load``.
+
+    Returns the load when called, the load when done, and whether it dropped.
+    """
+    first = load = os.getloadavg()[0]
+    deadline = time.monotonic() + wait_s
+    while load > max_load and time.monotonic() < deadline:
+        print(f"load average {load:.2f} > {max_load}: waiting {poll_s:.0f} s ...", flush=True)
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    return first, load, load <= max_load
+
+
+def build(args):
+    """The tokenizer, the data module, fixed training batches and the default experiment's config."""
+    import lightning.pytorch as pl
+
+    from data.datamodules import ExpertDataModule
+    from data.letters import RuleSet
+    from lightning_modules.config import load_config
+    from lightning_modules.stages import data_config
+
+    cfg = load_config(base=ROOT / "configs" / "default.yaml")
+    cfg.data.n_train = args.batches * cfg.data.batch_size  # per expert: enough rows for the fixed batches
+    cfg.data.n_test = 1
+    pl.seed_everything(cfg.seed, verbose=False)
+    experts = [RuleSet(e.name, dict(e.rules)) for e in cfg.experts]
+    dm = ExpertDataModule(None, data_config(cfg, cfg.expert.corruption_prob, cfg.expert.reg_data, len(experts)),
+                          experts)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())[: args.batches]
+    return cfg, dm, experts, batches
+
+
+def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: str | None):
+    """An ``ExpertLM`` of the default experiment, with a counter of background forwards and an optional
+    cache of background logits (``module.cache[batch_idx]``)."""
+    import torch
+
+    from lightning_modules.expert import ExpertLM
+    from lightning_modules.models import build_causal_lm, load_pretrained
+
+    class BenchExpertLM(ExpertLM):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.cache: dict[int, torch.Tensor] | None = None
+            self.background_calls = 0
+            self._batch_idx = 0
+
+        def training_step(self, batch, batch_idx):
+            self._batch_idx = batch_idx
+            return super().training_step(batch, batch_idx)
+
+        def background_logits(self, input_ids, attention_mask):
+            if self.cache is not None:
+                return self.cache[self._batch_idx]
+            self.background_calls += 1
+            return super().background_logits(input_ids, attention_mask)
+
+    torch.manual_seed(cfg.seed)
+    if background_path:
+        background = load_pretrained(background_path, tokenizer)
+    else:
+        background = build_causal_lm(cfg.model, tokenizer)
+    e = cfg.expert
+    target = e.lora.target_modules
+    return BenchExpertLM(
+        background, [x.name for x in cfg.experts], mode=mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
+        target_modules=target if isinstance(target, str) else list(target), reg_weight=reg_weight,
+        divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature, lr=e.optim.lr,
+        warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, log_every_n_steps=10**9,
+    )
+
+
+def fill_cache(module, batches) -> None:
+    """Background logits of every fixed batch, computed outside the timed region."""
+    module.cache = None
+    module.eval()
+    module.cache = {i: module.background_logits(b["input_ids"], b["attention_mask"]) for i, b in enumerate(batches)}
+    module.train()
+    module.background_calls = 0
+
+
+def timed_fit(module, batches, warmup: int, steps: int) -> tuple[float, int]:
+    """Fit ``warmup + steps + 1`` steps; return the median ms of the timed steps (each from its
+    ``on_train_batch_start`` to the next one's) and the background forwards made on them."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.calls: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.starts.append(time.perf_counter())
+            self.calls.append(pl_module.background_calls)
+
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        max_steps=warmup + steps + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        log_every_n_steps=10**9, callbacks=[timer],
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(batches[: warmup + steps + 1], batch_size=None))
+    times = [(b - a) * 1e3 for a, b in zip(timer.starts[warmup:-1], timer.starts[warmup + 1:], strict=True)]
+    assert len(times) == steps, (len(times), steps)
+    return statistics.median(times), timer.calls[-1] - timer.calls[warmup]
+
+
+def time_composition(module, dm, experts, cfg) -> tuple[float, dict]:
+    """One ``CompositionEvaluation.on_validation_epoch_end``-equivalent call (without ``pl_module.log``)."""
+    from data.letters import LettersCollator
+    from lightning_modules.evaluation import evaluate_composition
+
+    c = cfg.composition
+    collate = LettersCollator(dm.tokenizer, cfg.data.alphabet)
+    start = time.perf_counter()
+    dataset = dm.compositional_dataset("val")
+    if c.val_limit is not None and len(dataset) > c.val_limit:
+        dataset = dataset.select(range(c.val_limit))
+    composed = module.composed_model(dm.tokenizer)
+    results = evaluate_composition(composed, dm.tokenizer, dataset, experts, collate, c.eval_batch_size,
+                                   c.active_threshold)
+    return (time.perf_counter() - start) * 1e3, {"n": len(dataset), **results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median reported)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repetition")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them in each fit")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows")
+    parser.add_argument("--background", default=None, help="a trained background HF folder (default: random)")
+    parser.add_argument("--max-load", type=float, default=1.0)
+    parser.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the load to drop")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    args = parser.parse_args()
+    if min(args.reps, args.steps) < 1 or args.warmup < 1:
+        parser.error("--reps and --steps must be >= 1, --warmup >= 1 (step 0 logs and builds AdamW state)")
+    args.batches = args.warmup + args.steps + 1
+    command = "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]])
+
+    t0 = time.perf_counter()
+    load_start, load_ready, quiet = wait_for_quiet(args.max_load, args.wait)
+    threads_note = ""
+    if args.threads is None and not quiet:
+        args.threads = 1
+        threads_note = f" (forced: load {load_ready:.2f} > {args.max_load} after waiting)"
+
+    import logging
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    cfg, dm, experts, batches = build(args)
+    modes = ["lora"] if args.no_full else ["lora", "full"]
+    kinds = {"plain": 0.0, "regularized": 1.0, "cached bg": 1.0}
+    modules = {}
+    for mode in modes:
+        for kind, lam in kinds.items():
+            module = make_module(cfg, dm.tokenizer, mode, lam, args.background)
+            if kind == "cached bg":
+                fill_cache(module, batches)
+            modules[mode, kind] = module
+
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in modules}
+    bg_calls: dict[tuple[str, str], int] = dict.fromkeys(modules, 0)
+    comp_ms: list[float] = []
+    comp_results: dict = {}
+    timed_fit(modules["lora", "plain"], batches, 1, 1)  # first-fit warm-up (allocator, lazy imports)
+    for _ in range(args.reps):
+        for key, module in modules.items():
+            ms, calls = timed_fit(module, batches, args.warmup, args.steps)
+            samples[key].append(ms)
+            bg_calls[key] += calls
+        ms, comp_results = time_composition(modules["lora", "regularized"], dm, experts, cfg)
+        comp_ms.append(ms)
+
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    lines = ["| mode | step | ms/step | ratio to plain | target | bg forwards on timed steps |",
+             "|---|---|---|---|---|---|"]
+    for mode, kind in modules:
+        ratio = med[mode, kind] / med[mode, "plain"]
+        target = TARGETS.get(kind)
+        verdict = "" if target is None else f"≤ {target}× ({'met' if ratio <= target else 'missed'})"
+        lines.append(f"| {mode} | {kind} | {med[mode, kind]:.1f} | {ratio:.2f}× | {verdict} | "
+                     f"{bg_calls[mode, kind]} |")
+    every = cfg.trainer.val_check_interval
+    comp = statistics.median(comp_ms)
+    reg_window = every * med["lora", "regularized"]
+    plain_window = every * med["lora", "plain"]
+    n_tokens = len(batches[0]["input_ids"]) * batches[0]["input_ids"].shape[1]
+    lines += [
+        "",
+        f"composition eval ({comp_results['n']} compositional val inputs, evaluate_composition): "
+        f"{comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
+        f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
+        f"({100 * comp / plain_window:.0f} % of {every} plain steps)",
+        "",
+        "The framework has no background-logit cache option: the `cached bg` rows precompute the background "
+        "logits outside the timed region and measure the bound a cache would give.",
+    ]
+    load_end = os.getloadavg()[0]
+    lines += [
+        "",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads{threads_note} on {os.cpu_count()} CPUs "
+        f"(load average {load_start:.2f} at start, {load_ready:.2f} when timing began, {load_end:.2f} at end), "
+        f"{platform.machine()}; batch {len(batches[0]['input_ids'])} rows × {batches[0]['input_ids'].shape[1]} "
+        f"tokens (first batch, {n_tokens} positions); LoRA r={cfg.expert.lora.r} on "
+        f"{len(cfg.expert.lora.target_modules)} linear layers per block; median of {args.steps} steps after "
+        f"{args.warmup} warm-up, median of {args.reps} interleaved reps; background "
+        f"{args.background or 'untrained (random init)'}; composed exact match at the last eval "
+        f"{comp_results['exact_match']:.3f}; total {time.perf_counter() - t0:.0f} s",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(f"# Expert training-step benchmark\n\n`{command}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Ablations and baselines on the same task: which ingredient of the recipe does what.
+
+An ablation is a named list of config overrides; each runs as its own sub-run of the pipeline (reusing a
+background per background setting) for every k in `ablation_ks`, and its composition results are collected
+into the parent summary under `ablations.<variant>.k.<k>`. Baselines (parameter-space merges) are evaluated
+on the parent run's own experts, in `composition_stage`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+# variant -> (what it shows, overrides)
+ABLATIONS: dict[str, tuple[str, list[str]]] = {
+    "recipe": ("the run's own recipe", []),
+    "plain": ("λ = 0: plain fine-tuning, no regularizer", ["expert.reg_weight=0"]),
+    "no_corruption": ("no prefix corruption for background and experts",
+                      ["background.corruption_prob=0", "expert.corruption_prob=0"]),
+    "naive": ("the paper's setting: no regularizer, no prefix corruption",
+              ["expert.reg_weight=0", "background.corruption_prob=0", "expert.corruption_prob=0"]),
+    "kl": ("forward KL divergence", ["expert.divergence=forward_kl"]),
+    "log_ratio": ("tail-aware log-ratio divergence", ["expert.divergence=log_ratio"]),
+    "background_data": ("regularizer on background (copy) data", ["expert.reg_data=own+background"]),
+    "composed_prefixes": ("regularizer on the composition's prefixes (all rules applied, teacher-forced)",
+                          ["expert.reg_data=composition"]),
+}
+
+# Disjoint single-letter experts for the k sweep: A→B, C→D, E→F, ...
+def standard_experts(k: int, alphabet: str) -> list[dict]:
+    if 2 * k > len(alphabet):
+        raise ValueError(f"k={k} experts with disjoint single-letter rules need {2 * k} letters; "
+                         f"the alphabet has {len(alphabet)}")
+    return [{"name": f"{alphabet[2 * i]}_to_{alphabet[2 * i + 1]}", "rules": {alphabet[2 * i]: alphabet[2 * i + 1]}}
+            for i in range(k)]
+
+
+def check_ablations(cfg: DictConfig) -> None:
+    from lightning_modules.config import ConfigError
+
+    unknown = [a for a in cfg.ablations if a not in ABLATIONS]
+    if unknown:
+        raise ConfigError(f"ablations: unknown variant(s) {', '.join(unknown)}; known: {', '.join(ABLATIONS)}")
+    for k in cfg.ablation_ks:
+        try:
+            standard_experts(int(k), cfg.data.alphabet)
+        except ValueError as e:
+            raise ConfigError(f"ablation_ks: {e}") from None
+
+
+def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
+    """Run every variant of `cfg.ablations` at every k of `cfg.ablation_ks` (default: the run's own k)."""
+    from lightning_modules.stages import run
+
+    ks = [int(k) for k in cfg.ablation_ks] or [len(cfg.experts)]
+    backgrounds: dict[str, Path] = {_background_key(cfg): background_path}
+    results: dict = {}
+    for variant in cfg.ablations:
+        description, overrides = ABLATIONS[variant]
+        results[variant] = {"description": description, "overrides": overrides, "k": {}}
+        for k in ks:
+            sub = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+            sub.experts = standard_experts(k, cfg.data.alphabet) if k != len(cfg.experts) else cfg.experts
+            sub.ablations, sub.ablation_ks, sub.baselines, sub.report = [], [], [], False
+            sub.ckpt_path = None
+            key = _background_key(sub)
+            if key not in backgrounds and not cfg.background.path:
+                bg_cfg = OmegaConf.merge(sub, {"experts": [], "output_dir": str(out / "ablations" / f"background_{key}")})
+                print(f"[ablations] training background {key}")
+                backgrounds[key] = Path(run(bg_cfg)["output_dir"]) / "background"
+            sub.background.path = str(backgrounds.get(key, background_path))
+            sub.output_dir = str(out / "ablations" / f"{variant}_k{k}")
+            print(f"[ablations] {variant}, k={k}: {' '.join(overrides) or '(no overrides)'}")
+            s = run(sub)
+            experts = s.get("experts", {}).values()
+            results[variant]["k"][str(k)] = {
+                "exact_match": s["composition"]["exact_match"],
+                "off_mask_kl": sum(e["off_mask_kl"] for e in experts) / max(len(experts), 1),
+                "max_off_mask_log_ratio": max((e["max_off_mask_log_ratio"] for e in experts), default=0.0),
+                "experts_min_exact_match": min((e["exact_match"] for e in experts if "exact_match" in e), default=None),
+                "failures": s["composition"]["failures"],
+                "output_dir": s["output_dir"],
+            }
+    return results
+
+
+def _background_key(cfg: DictConfig) -> str:
+    b = cfg.background
+    return f"rho{b.corruption_prob:g}_steps{b.max_steps}"

@@ -1,0 +1,137 @@
+"""train.py end to end on configs/debug/fast.yaml, and its handling of bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_modules.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "configs" / "default.yaml"
+FAST = ROOT / "configs" / "debug" / "fast.yaml"
+
+
+def train(*args, cwd=ROOT, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fast") / "run"
+    proc = train(FAST, f"output_dir={out}", "baselines=[task_arithmetic]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_fast_run_writes_everything(fast_run):
+    out, proc = fast_run
+    for name in ("config.yaml", "summary.json", "report.md", "divergence_map.json", "tokenizer",
+                 "background/model.safetensors", "export/composition.yaml",
+                 "checkpoints/background/last.ckpt", "checkpoints/experts/last.ckpt",
+                 "logs/background/metrics.csv", "logs/experts/metrics.csv"):
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["background"]["exact_match"] <= 1.0
+    for name in ("A_to_B", "C_to_D"):
+        assert 0.0 <= summary["experts"][name]["exact_match"] <= 1.0
+        assert summary["experts"][name]["off_mask_kl"] >= 0.0
+    assert 0.0 <= summary["composition"]["exact_match"] <= 1.0
+    assert "task_arithmetic" in summary["baselines"]
+    assert str(out) in proc.stdout  # the run ends by printing where it wrote
+    # validation logged the composition alongside the experts' factorizability
+    header = (out / "logs/experts/metrics.csv").read_text().splitlines()[0]
+    for key in ("val/composed/exact_match", "val/composed/nll", "val/A_to_B/off_mask_kl", "val/C_to_D/on_mask_kl",
+                "train/A_to_B/nll", "train/C_to_D/off_mask_kl", "val/composed/projectivity_error"):
+        assert key in header, key
+    cfg = load_config([str(out / "config.yaml")])
+    assert cfg.experiment == "debug_fast"
+
+
+def test_export_reloads_with_the_same_composed_logprobs(fast_run):
+    """The manifest's composition equals the trained model's, as checkpointed just before export."""
+    from compose import ComposedLM
+    from data.letters import LettersCollator, RuleSet, build_letters_dataset, compositional_inputs
+    from lightning_modules.expert import ExpertLM
+    from lightning_modules.models import load_pretrained
+
+    out, _ = fast_run
+    cfg = load_config([str(out / "config.yaml")])
+    reloaded = ComposedLM.from_manifest(out / "export")
+    assert reloaded.names == ["A_to_B", "C_to_D"]
+    module = ExpertLM(load_pretrained(out / "background"), ["A_to_B", "C_to_D"], lora_r=cfg.expert.lora.r,
+                      lora_alpha=cfg.expert.lora.alpha)
+    state = torch.load(out / "checkpoints/experts/last.ckpt", map_location="cpu", weights_only=True)
+    module.load_state_dict(state["state_dict"])
+    rules = [RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})]
+    xs = compositional_inputs(8, cfg.data.alphabet, 8, 16, 123, rules)
+    batch = LettersCollator(reloaded.tokenizer, cfg.data.alphabet)(list(build_letters_dataset(xs, rules, rules, reloaded.tokenizer)))
+    before = module.composed_model().score(batch["input_ids"], batch["attention_mask"])
+    after = reloaded.score(batch["input_ids"], batch["attention_mask"])
+    assert (before - after).abs().max() < 1e-5
+    separate = ComposedLM.from_manifest(out / "export", backend="separate")
+    assert (separate.score(batch["input_ids"], batch["attention_mask"]) - after).abs().max() < 1e-5
+
+
+def test_resume_from_last_checkpoint_skips_finished_stages(fast_run, tmp_path):
+    out, _ = fast_run
+    summary_before = json.loads((out / "summary.json").read_text())
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "baselines=[task_arithmetic]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["composition"]["exact_match"] == summary_before["composition"]["exact_match"]
+    assert summary["timing"]["background_s"] < 5  # the background was not trained again
+
+
+def test_bad_input_exits_2_with_one_line_naming_it(tmp_path):
+    proc = train(FAST, "expert.reg_wieght=1", f"output_dir={tmp_path / 'x'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: command line: unknown config key 'expert.reg_wieght'")
+    assert not (tmp_path / "x").exists()
+
+
+def test_existing_output_dir_is_not_touched(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    cfg = load_config([str(FAST)], [f"output_dir={out}"], base=DEFAULT)
+    from lightning_modules.stages import run
+
+    with pytest.raises(ConfigError, match="exists and is not empty"):
+        run(cfg)
+    assert (out / "precious.txt").read_text() == "keep" and len(list(out.iterdir())) == 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("experts=[{name: a, rules: {A: B}}, {name: b, rules: {A: C}}]", "'A'"),
+    ("experts=[{name: a, rules: {A: BB}}]", "BB"),
+    ("experts=[{name: a, rules: {A: '1'}}]", "'1'"),
+    ("background.path=/nonexistent/model", "/nonexistent/model"),
+    ("composition.compose_with=[/nonexistent/export]", "/nonexistent/export"),
+    ("ablation_ks=[20]", "k=20"),
+])
+def test_bad_experiments_are_refused_before_writing(tmp_path, override, message):
+    from lightning_modules.stages import run
+
+    out = tmp_path / "run"
+    cfg = load_config([str(FAST)], [f"output_dir={out}", override], base=DEFAULT)
+    with pytest.raises(ConfigError, match=message):
+        run(cfg)
+    assert not out.exists()
+
+
+def test_compose_with_an_export_of_another_tokenizer_is_refused(fast_run, tmp_path):
+    from lightning_modules.stages import run
+
+    out, _ = fast_run
+    cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'r'}", "data.alphabet=ABCDEFGH",
+                                     "experts=[{name: E_to_F, rules: {E: F}}]",
+                                     f"composition.compose_with=[{out / 'export'}]"], base=DEFAULT)
+    with pytest.raises(ConfigError, match="tokenizer of .* differs"):
+        run(cfg)

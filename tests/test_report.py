@@ -1,0 +1,161 @@
+"""The run report: terminal table, report.md content and the two PNG plots."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lightning_modules.report import (
+    plot_accuracy_vs_k,
+    plot_divergence_heatmap,
+    print_summary,
+    write_report,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FAILURES = {"correct": 0.95, "rule_not_applied": 0.03, "wrong_letter_elsewhere": 0.0125, "length_or_eos": 0.0075}
+
+
+def _summary() -> dict:
+    return {
+        "experiment": "letters", "seed": 3,
+        "background": {"exact_match": 1.0},
+        "experts": {
+            "A_to_B": {"exact_match": 0.998, "off_mask_kl": 0.0033, "on_mask_kl": 7.0712,
+                       "max_off_mask_log_ratio": 7.5, "skill_accuracy": 1.0},
+            "C_to_D": {"trained_in": "compose_with", "off_mask_kl": 0.0041, "on_mask_kl": 6.5,
+                       "max_off_mask_log_ratio": 5.25, "skill_accuracy": 0.9875},
+        },
+        "composition": {"exact_match": 0.962, "k": 2, "n_test": 1000, "nll": 0.0261, "projectivity_error": 0.0071,
+                        "failures": FAILURES, "overlap": {"A_to_B__C_to_D": 0.0664},
+                        "active_set_accuracy": 0.9912},
+        "baselines": {"task_arithmetic": {"exact_match": 0.93, "max_logprob_gap_vs_composed": 1.2345},
+                      "ties": {"exact_match": 0.5}, "dare": {"exact_match": 0.4}},
+        "ablations": {
+            "regularized": {"description": "default recipe", "overrides": ["expert.reg_weight=1.0"],
+                            "k": {"2": {"exact_match": 0.962, "off_mask_kl": 0.003, "max_off_mask_log_ratio": 7.5,
+                                        "failures": FAILURES, "experts_min_exact_match": 0.998},
+                                  "10": {"exact_match": 0.871, "off_mask_kl": 0.0052},
+                                  "4": {"exact_match": 0.9345, "off_mask_kl": 0.004}}},
+            "plain": {"description": "no regularizer", "overrides": ["expert.reg_weight=0"],
+                      "k": {"2": {"exact_match": 0.61, "off_mask_kl": 0.8123}, "4": {"exact_match": 0.2468}}},
+        },
+        "timing": {"background_s": 23.9, "experts_s": 50.0, "total_s": 100.4},
+        "output_dir": "runs/letters/20260101-000000",
+        "export": "runs/letters/20260101-000000/export",
+        "command": "python train.py configs/experiment/letters_k4.yaml seed=3",
+    }
+
+
+def _divergence_map() -> dict:
+    inputs, outputs = ["QACXB", "ZZCAA"], ["QBDXB", "ZZDBB"]
+    experts = ["A_to_B", "C_to_D"]
+    divergence, masks = [], []
+    for letter in ("A", "C"):
+        div_e, mask_e = [], []
+        for x in inputs:
+            mask = [int(ch == letter) for ch in x] + [0]
+            mask_e.append(mask)
+            div_e.append([7.0 if m else 1e-4 * (i + 1) for i, m in enumerate(mask)])
+        divergence.append(div_e)
+        masks.append(mask_e)
+    return {"experts": experts, "inputs": inputs, "outputs": outputs, "divergence": divergence, "masks": masks}
+
+
+def _assert_png(path) -> None:
+    data = path.read_bytes()
+    assert len(data) > 1000
+    assert data[:8] == PNG_SIGNATURE
+
+
+def test_write_report_full(tmp_path):
+    (tmp_path / "divergence_map.json").write_text(json.dumps(_divergence_map()))
+    path = write_report(_summary(), tmp_path)
+    assert path == tmp_path / "report.md"
+    text = path.read_text()
+    assert text.startswith("# Run report: letters (seed 3)")
+    # component table: every expert, the earlier export marked, the key numbers at 4 decimals
+    assert "| expert A_to_B | 0.9980 | 0.0033 | 7.0712 | 7.5000 | 1.0000 |" in text
+    assert "| expert C_to_D (earlier export) | - | 0.0041 | 6.5000 | 5.2500 | 0.9875 |" in text
+    assert "**composition (k=2, n=1000)**" in text and "**0.9620**" in text
+    # composition details, including an extra scalar the stages may add
+    for s in ("NLL per token: 0.0261", "projectivity error: 0.0071", "active_set_accuracy: 0.9912",
+              "| rule_not_applied | 0.0300 |", "| A_to_B × C_to_D | 0.0664 |"):
+        assert s in text, s
+    # baselines: Δ = 0.93 - 0.962
+    assert "| task arithmetic | 0.9300 | -0.0320 | 1.2345 |" in text
+    assert "| ties | 0.5000 | -0.4620 | - |" in text
+    assert "Task arithmetic merges" in text
+    # ablations: k columns sorted numerically, missing cell shown as "-"
+    assert "| variant | description | overrides | k=2 | k=4 | k=10 |" in text
+    assert "| **plain** | no regularizer | `expert.reg_weight=0` | 0.6100 | 0.2468 | - |" in text
+    assert "| regularized | 2 | 0.0030 | 7.5000 | 0.9980 | 0.9500 | 0.0300 | 0.0125 | 0.0075 |" in text
+    assert "| plain | 2 | 0.8123 |" in text
+    # plots embedded with relative links, timing, reproduce command
+    assert "![composed exact match vs k](accuracy_vs_k.png)" in text
+    assert "![per-position divergence](divergence_heatmap.png)" in text
+    assert "| total | 100.4 |" in text
+    assert "python train.py configs/experiment/letters_k4.yaml seed=3" in text
+    _assert_png(tmp_path / "accuracy_vs_k.png")
+    _assert_png(tmp_path / "divergence_heatmap.png")
+
+
+def test_write_report_minimal(tmp_path):
+    """Only the background: no composition, no plots, still a valid report."""
+    path = write_report({"experiment": "letters", "seed": 0, "background": {"exact_match": 0.75}}, tmp_path / "run")
+    text = path.read_text()
+    assert "| background (copy) | 0.7500 | - | - | - | - |" in text
+    for absent in ("## Composition", "## Baselines", "## Ablations", "## Timing", "![", "**composition"):
+        assert absent not in text
+    assert "python train.py seed=0" in text
+    assert not (tmp_path / "run" / "accuracy_vs_k.png").exists()
+    assert not (tmp_path / "run" / "divergence_heatmap.png").exists()
+
+
+def test_no_ablations_no_accuracy_plot(tmp_path):
+    summary = _summary()
+    del summary["ablations"]
+    del summary["command"]
+    text = write_report(summary, tmp_path, divergence_map=_divergence_map()).read_text()
+    assert not (tmp_path / "accuracy_vs_k.png").exists()
+    assert "accuracy_vs_k.png" not in text and "## Ablations" not in text
+    _assert_png(tmp_path / "divergence_heatmap.png")
+    # without a command the resolved config reproduces the run
+    assert "python train.py runs/letters/20260101-000000/config.yaml" in text
+    assert plot_accuracy_vs_k(summary, tmp_path / "a.png") is None
+    assert plot_accuracy_vs_k({"background": {}, "ablations": {"x": {"k": {}}}}, tmp_path / "a.png") is None
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_divergence_heatmap_empty_and_bad_shapes(tmp_path):
+    assert plot_divergence_heatmap({}, tmp_path / "h.png") is None
+    assert plot_divergence_heatmap({**_divergence_map(), "experts": []}, tmp_path / "h.png") is None
+    bad = copy.deepcopy(_divergence_map())
+    bad["divergence"][1][0] = bad["divergence"][1][0][:-2]
+    with pytest.raises(ValueError, match="C_to_D"):
+        plot_divergence_heatmap(bad, tmp_path / "h.png")
+    bad = _divergence_map()
+    del bad["masks"]
+    with pytest.raises(ValueError, match="masks"):
+        plot_divergence_heatmap(bad, tmp_path / "h.png")
+    assert not (tmp_path / "h.png").exists()
+
+
+def test_print_summary(capsys):
+    print_summary(_summary())
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "| component | exact match | off-mask KL | on-mask KL | max off-mask log-ratio | skill accuracy |" in lines
+    assert "| background (copy) | 1.0000 | - | - | - | - |" in lines
+    assert "| expert A_to_B | 0.9980 | 0.0033 | 7.0712 | 7.5000 | 1.0000 |" in lines
+    assert any(line.startswith("| **composition (k=2, n=1000)** | **0.9620** |") for line in lines)
+    assert lines[-1] == "report: runs/letters/20260101-000000/report.md"
+
+
+def test_print_summary_background_only(capsys):
+    print_summary({"background": {"exact_match": 0.5}})
+    out = capsys.readouterr().out
+    assert "| background (copy) | 0.5000 |" in out
+    assert "expert" not in out and "report:" not in out
