@@ -26,8 +26,9 @@ from transformers import PreTrainedTokenizerBase
 from data.letters import (
     LettersCollator,
     RuleSet,
-    build_letters_dataset,
+    check_format,
     compositional_inputs,
+    dataset_builder,
     expert_inputs,
     sample_strings,
     validate_rule_sets,
@@ -48,7 +49,12 @@ class LettersDataConfig:
         n_train, n_val, n_test: rows per split, *per expert* for :class:`ExpertDataModule` (the same count
             again for each expert's regularizer rows when ``reg_data`` adds any).
         batch_size: rows per batch (all loaders).
-        corruption_prob: prefix corruption rate for training batches only (val/test are clean).
+        format: the sequence layout: ``generative`` (``<bos> x <sep> y <eos>``, :func:`build_letters_dataset`)
+            or ``aligned`` (``<bos> x``, the logits at ``x[j]`` predict ``y[j]``, :func:`build_aligned_dataset`);
+            every split, the background's copy rows, the experts' task and regularizer rows and the
+            compositional sets use it.
+        corruption_prob: prefix corruption rate for training batches only (val/test are clean). Ignored by
+            the ``aligned`` format: it has no teacher-forced outputs, so there is no prefix to corrupt.
         source_prob: fraction of an expert's inputs planted with one of its source letters.
         compositional_min_experts: ``None``: compositional inputs contain a source of every expert in
             play; otherwise of a random subset of at least this many (>= 2).
@@ -62,6 +68,7 @@ class LettersDataConfig:
     alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     min_len: int = 8
     max_len: int = 16
+    format: str = "generative"
     n_train: int = 8000
     n_val: int = 500
     n_test: int = 1000
@@ -79,6 +86,10 @@ class LettersDataConfig:
             raise ValueError(
                 f"data config: need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}"
             )
+        try:
+            check_format(self.format)
+        except ValueError as e:
+            raise ValueError(f"data config: {e}") from None
         for key in ("n_train", "n_val", "n_test", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data config: {key} must be >= 1, got {getattr(self, key)}")
@@ -135,10 +146,16 @@ class _LettersDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(self.cfg.alphabet)
         letter_ids(self.tokenizer, self.cfg.alphabet)  # every letter must be a token
         self.datasets: dict[str, datasets.Dataset] = {}
+        self.build_dataset = dataset_builder(self.cfg.format)
+
+    @property
+    def train_corruption_prob(self) -> float:
+        """Prefix corruption of training batches: ``cfg.corruption_prob``, or 0 for the ``aligned`` format."""
+        return 0.0 if self.cfg.format == "aligned" else self.cfg.corruption_prob
 
     def _loader(self, dataset: datasets.Dataset, train: bool) -> DataLoader:
         cfg = self.cfg
-        collator = LettersCollator(self.tokenizer, cfg.alphabet, cfg.corruption_prob if train else 0.0)
+        collator = LettersCollator(self.tokenizer, cfg.alphabet, self.train_corruption_prob if train else 0.0)
         return DataLoader(
             dataset,
             batch_size=cfg.batch_size,
@@ -154,7 +171,7 @@ class _LettersDataModule(pl.LightningDataModule):
         return self.datasets[split]
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches, with prefix corruption at ``cfg.corruption_prob``."""
+        """Shuffled training batches, with prefix corruption at :attr:`train_corruption_prob`."""
         return self._loader(self._built("train"), train=True)
 
     def val_dataloader(self) -> DataLoader:
@@ -196,7 +213,7 @@ class BackgroundDataModule(_LettersDataModule):
             xs = _draw_excluding(make, n, seen, f"background {split}")
             seen.update(xs)
             self.inputs[split] = xs
-            self.datasets[split] = build_letters_dataset(xs, [], [], self.tokenizer)
+            self.datasets[split] = self.build_dataset(xs, [], [], self.tokenizer)
 
     def copy_eval_inputs(self, split: str) -> list[str]:
         """The inputs of the ``val`` or ``test`` split (for judging the background by generation)."""
@@ -283,7 +300,7 @@ class ExpertDataModule(_LettersDataModule):
 
                 xs = _draw_excluding(make, n, seen, f"expert {expert.name!r} {split}")
                 self.expert_inputs[split].append(xs)
-                parts.append(build_letters_dataset(xs, [expert], [expert], tok, {"expert_index": i, "is_task": 1}))
+                parts.append(self.build_dataset(xs, [expert], [expert], tok, {"expert_index": i, "is_task": 1}))
                 if split == "train":
                     parts.extend(self._regularizer_rows(i, expert, n))
             for xs in self.expert_inputs[split]:
@@ -301,10 +318,10 @@ class ExpertDataModule(_LettersDataModule):
         cfg, extra = self.cfg, {"expert_index": i, "is_task": 0}
         if cfg.reg_data in ("background", "own+background"):
             xs = self._strings(n, derive_seed(cfg.seed, "regularizer-copy", expert.name))(0)
-            return [build_letters_dataset(xs, [], [expert], self.tokenizer, extra)]
+            return [self.build_dataset(xs, [], [expert], self.tokenizer, extra)]
         if cfg.reg_data == "composition":
             xs = self._compositional_maker(n, derive_seed(cfg.seed, "regularizer-composition", expert.name))(0)
-            return [build_letters_dataset(xs, self.composition_experts, [expert], self.tokenizer, extra)]
+            return [self.build_dataset(xs, self.composition_experts, [expert], self.tokenizer, extra)]
         return []
 
     def compositional_inputs(self, split: str) -> list[str]:
@@ -319,7 +336,7 @@ class ExpertDataModule(_LettersDataModule):
         _check_split(split)
         self.setup()
         if split not in self._compositional_datasets:
-            self._compositional_datasets[split] = build_letters_dataset(
+            self._compositional_datasets[split] = self.build_dataset(
                 self.compositional[split], self.composition_experts, self.composition_experts, self.tokenizer
             )
         return self._compositional_datasets[split]

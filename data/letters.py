@@ -12,12 +12,16 @@ Layout of one row, for ``n = len(x)``::
     targets    -100   -100      y[0]    y[1..n-1] <eos>  -100
 
 ``targets`` are already shifted: ``logits[:, t]`` is scored against ``targets[:, t]``.
+
+The *position-aligned* format (the paper authors' appendix set-up, :func:`build_aligned_dataset`) drops the
+generated half: ``<bos> x``, and the logits at the position holding ``x[j]`` predict ``y[j]``.
+:data:`DATA_FORMATS` names the two; :func:`dataset_builder` picks the builder of one.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,45 +265,26 @@ def _special_id(tokenizer: PreTrainedTokenizerBase, attr: str) -> int:
     return int(value)
 
 
-def build_letters_dataset(
-    xs: Sequence[str],
-    target_rule_sets: Sequence[RuleSet],
-    mask_rule_sets: Sequence[RuleSet],
-    tokenizer: PreTrainedTokenizerBase,
-    extra_columns: dict[str, Any] | None = None,
-) -> datasets.Dataset:
-    """Tokenize inputs into a ``datasets.Dataset`` of the letter task.
-
-    Args:
-        xs: input strings.
-        target_rule_sets: rules that produce ``y`` (all applied at once); empty for the copy task.
-        mask_rule_sets: the ``k`` experts whose masks to write (``masks`` has ``k`` rows per example).
-        tokenizer: a character tokenizer with ``bos/sep/eos`` tokens (see ``build_char_tokenizer``).
-        extra_columns: constant integer (or float) columns added to every row, e.g.
-            ``{"expert_index": 1, "is_task": 1}``.
-
-    Returns:
-        Columns ``x``, ``y``, ``input_ids``, ``targets`` (already shifted, ``-100`` off the output),
-        ``masks`` (``k`` lists of 0/1: 1 where the target is a letter of ``y`` aligned with a source
-        letter of that expert; the ``<eos>`` target is in no mask), ``output_start`` (index of ``y[0]``
-        in ``input_ids``, ``len(x) + 2``), ``output_len`` (``len(y)``), plus ``extra_columns``.
-    """
-    xs = list(xs)
+def _check_extra_columns(extra_columns: dict[str, Any] | None) -> dict[str, Any]:
     extra = dict(extra_columns or {})
     for key, value in extra.items():
         if key in _BASE_COLUMNS:
             raise ValueError(f"extra column {key!r} clashes with a built-in column {_BASE_COLUMNS}")
         if not isinstance(value, int | float):
             raise ValueError(f"extra column {key!r} must be an int or float constant, got {value!r}")
-    bos, sep, eos = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id", "eos_token_id"))
+    return extra
+
+
+def _letter_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     specials = set(tokenizer.all_special_tokens)
-    vocab = {tok: i for tok, i in tokenizer.get_vocab().items() if tok not in specials}
-    merged = combined_rules(target_rule_sets)
+    return {tok: i for tok, i in tokenizer.get_vocab().items() if tok not in specials}
+
+
+def _check_inputs(xs: Sequence[str], merged: Mapping[str, str], vocab: Mapping[str, int]) -> None:
     for src, tgt in merged.items():
         for ch in (src, tgt):
             if ch not in vocab:
                 raise ValueError(f"rule letter {ch!r} is not a letter of the tokenizer's vocabulary")
-    mask_sources = [set(rs.sources) for rs in mask_rule_sets]
     for i, x in enumerate(xs):
         if not isinstance(x, str) or not x:
             raise ValueError(f"xs[{i}] must be a non-empty string, got {x!r}")
@@ -307,23 +292,22 @@ def build_letters_dataset(
         if bad:
             raise ValueError(f"xs[{i}]={x!r} has characters {bad} that are not letters of the tokenizer")
 
+
+# One row's layout: (x, y) -> (input_ids, targets, masks, output_start).
+_RowLayout = Callable[[str, str], tuple[list[int], list[int], list[list[int]], int]]
+
+
+def _encode_dataset(xs: list[str], merged: Mapping[str, str], extra: dict[str, Any],
+                    layout: _RowLayout) -> datasets.Dataset:
+    """Map ``xs`` through ``layout`` into a ``datasets.Dataset`` with the letter-task columns."""
+
     def encode(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {c: [] for c in _BASE_COLUMNS[1:]}
         for x in batch["x"]:
-            n = len(x)
             y = "".join(merged.get(ch, ch) for ch in x)
-            input_ids = [bos, *(vocab[ch] for ch in x), sep, *(vocab[ch] for ch in y), eos]
-            targets = [IGNORE_INDEX] * len(input_ids)
-            targets[n + 1 : 2 * n + 2] = input_ids[n + 2 : 2 * n + 3]
-            masks = []
-            for sources in mask_sources:
-                row = [0] * len(input_ids)
-                for j, ch in enumerate(x):
-                    if ch in sources:
-                        row[n + 1 + j] = 1
-                masks.append(row)
+            input_ids, targets, masks, output_start = layout(x, y)
             for key, value in zip(
-                _BASE_COLUMNS[1:], (y, input_ids, targets, masks, n + 2, n), strict=True
+                _BASE_COLUMNS[1:], (y, input_ids, targets, masks, output_start, len(x)), strict=True
             ):
                 out[key].append(value)
         for key, value in extra.items():
@@ -355,6 +339,115 @@ def build_letters_dataset(
             datasets.enable_progress_bars()
 
 
+def build_letters_dataset(
+    xs: Sequence[str],
+    target_rule_sets: Sequence[RuleSet],
+    mask_rule_sets: Sequence[RuleSet],
+    tokenizer: PreTrainedTokenizerBase,
+    extra_columns: dict[str, Any] | None = None,
+) -> datasets.Dataset:
+    """Tokenize inputs into a ``datasets.Dataset`` of the letter task (generative format).
+
+    Args:
+        xs: input strings.
+        target_rule_sets: rules that produce ``y`` (all applied at once); empty for the copy task.
+        mask_rule_sets: the ``k`` experts whose masks to write (``masks`` has ``k`` rows per example).
+        tokenizer: a character tokenizer with ``bos/sep/eos`` tokens (see ``build_char_tokenizer``).
+        extra_columns: constant integer (or float) columns added to every row, e.g.
+            ``{"expert_index": 1, "is_task": 1}``.
+
+    Returns:
+        Columns ``x``, ``y``, ``input_ids``, ``targets`` (already shifted, ``-100`` off the output),
+        ``masks`` (``k`` lists of 0/1: 1 where the target is a letter of ``y`` aligned with a source
+        letter of that expert; the ``<eos>`` target is in no mask), ``output_start`` (index of ``y[0]``
+        in ``input_ids``, ``len(x) + 2``), ``output_len`` (``len(y)``), plus ``extra_columns``.
+    """
+    xs = list(xs)
+    extra = _check_extra_columns(extra_columns)
+    bos, sep, eos = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id", "eos_token_id"))
+    vocab = _letter_vocab(tokenizer)
+    merged = combined_rules(target_rule_sets)
+    _check_inputs(xs, merged, vocab)
+    mask_sources = [set(rs.sources) for rs in mask_rule_sets]
+
+    def layout(x: str, y: str) -> tuple[list[int], list[int], list[list[int]], int]:
+        n = len(x)
+        input_ids = [bos, *(vocab[ch] for ch in x), sep, *(vocab[ch] for ch in y), eos]
+        targets = [IGNORE_INDEX] * len(input_ids)
+        targets[n + 1 : 2 * n + 2] = input_ids[n + 2 : 2 * n + 3]
+        masks = []
+        for sources in mask_sources:
+            row = [0] * len(input_ids)
+            for j, ch in enumerate(x):
+                if ch in sources:
+                    row[n + 1 + j] = 1
+            masks.append(row)
+        return input_ids, targets, masks, n + 2
+
+    return _encode_dataset(xs, merged, extra, layout)
+
+
+def build_aligned_dataset(
+    xs: Sequence[str],
+    target_rule_sets: Sequence[RuleSet],
+    mask_rule_sets: Sequence[RuleSet],
+    tokenizer: PreTrainedTokenizerBase,
+    extra_columns: dict[str, Any] | None = None,
+) -> datasets.Dataset:
+    """Tokenize inputs into a ``datasets.Dataset`` of the *position-aligned* letter task.
+
+    The set-up of the paper's appendix: the model reads ``<bos> x`` and the logits at the position holding
+    ``x[j]`` are scored against ``y[j] = rule(x[j])``. Nothing is generated and outputs never feed back
+    (no ``<sep>``, no ``<eos>``); the prediction is the argmax at each target position. For
+    ``n = len(x)``::
+
+        position   0      1 .. n
+        input_ids  <bos>  x[0] .. x[n-1]
+        targets    -100   y[0] .. y[n-1]
+
+    Args: as :func:`build_letters_dataset` (only ``bos`` of the special tokens is used).
+
+    Returns:
+        The same columns as :func:`build_letters_dataset`: ``x``, ``y``, ``input_ids``, ``targets``
+        (``logits[:, t]`` is scored against ``targets[:, t]``), ``masks`` (``k`` lists of 0/1: 1 at the
+        positions whose *input* letter is a source of that expert), ``output_start`` (``1``),
+        ``output_len`` (``len(x)``), plus ``extra_columns``.
+    """
+    xs = list(xs)
+    extra = _check_extra_columns(extra_columns)
+    bos = _special_id(tokenizer, "bos_token_id")
+    vocab = _letter_vocab(tokenizer)
+    merged = combined_rules(target_rule_sets)
+    _check_inputs(xs, merged, vocab)
+    mask_sources = [set(rs.sources) for rs in mask_rule_sets]
+
+    def layout(x: str, y: str) -> tuple[list[int], list[int], list[list[int]], int]:
+        input_ids = [bos, *(vocab[ch] for ch in x)]
+        targets = [IGNORE_INDEX, *(vocab[ch] for ch in y)]
+        masks = [[0, *(int(ch in sources) for ch in x)] for sources in mask_sources]
+        return input_ids, targets, masks, 1
+
+    return _encode_dataset(xs, merged, extra, layout)
+
+
+DATA_FORMATS = ("generative", "aligned")
+_BUILDERS = {"generative": build_letters_dataset, "aligned": build_aligned_dataset}
+
+
+def check_format(format: str) -> str:
+    """Return ``format`` if it is one of :data:`DATA_FORMATS`, else raise a one-line ``ValueError``."""
+    if format not in DATA_FORMATS:
+        raise ValueError(f"data format {format!r} is not one of {list(DATA_FORMATS)}")
+    return format
+
+
+def dataset_builder(format: str) -> Callable[..., datasets.Dataset]:
+    """The dataset builder of a data format: ``build_letters_dataset`` (``"generative"``) or
+    ``build_aligned_dataset`` (``"aligned"``); both take ``(xs, target_rule_sets, mask_rule_sets,
+    tokenizer, extra_columns=None)``."""
+    return _BUILDERS[check_format(format)]
+
+
 class LettersCollator:
     """Pad letter-task rows into a batch, optionally corrupting teacher-forced output letters.
 
@@ -370,6 +463,10 @@ class LettersCollator:
     clean. Corruption is drawn afresh at every call from ``generator`` (default: torch's global RNG, which
     Lightning's ``seed_everything`` seeds and DataLoader workers reseed per worker; an explicit generator
     is copied into each worker, so prefer the default with ``num_workers > 0``).
+
+    Position-aligned rows (:func:`build_aligned_dataset`) have no teacher-forced outputs: their
+    ``output_start .. output_start + output_len - 1`` span is the input ``x`` itself, so corruption does not
+    apply to them (the datamodules build their collators with ``corruption_prob=0`` for that format).
     """
 
     def __init__(
@@ -477,6 +574,30 @@ def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple
             raise ValueError(f"xs[{b}]={x!r} has a character that is not a letter of the tokenizer") from err
         input_ids[b, width - len(ids) :] = torch.tensor(ids)
         attention_mask[b, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def aligned_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:
+    """Inputs ``<bos> x`` of the position-aligned format, RIGHT-padded with the pad id (so every ``x[j]``
+    sits at position ``j + 1`` in every row).
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``[B, 1 + max len(x)]`` long tensors.
+    """
+    if not xs:
+        raise ValueError("aligned_batch got no inputs")
+    bos, pad = (_special_id(tokenizer, a) for a in ("bos_token_id", "pad_token_id"))
+    vocab = _letter_vocab(tokenizer)
+    width = 1 + max(len(x) for x in xs)
+    input_ids = torch.full((len(xs), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(xs), width), dtype=torch.long)
+    for b, x in enumerate(xs):
+        try:
+            ids = [bos, *(vocab[ch] for ch in x)]
+        except KeyError as err:
+            raise ValueError(f"xs[{b}]={x!r} has a character that is not a letter of the tokenizer") from err
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention_mask[b, : len(ids)] = 1
     return input_ids, attention_mask
 
 

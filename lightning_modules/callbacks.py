@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from compose.export import export_composition
-from data.letters import RuleSet
+from data.letters import RuleSet, check_format
 from lightning_modules.evaluation import evaluate_composition
 from lightning_modules.models import load_pretrained
 
@@ -27,13 +27,17 @@ class CompositionEvaluation(pl.Callback):
         collate: the collator turning dataset rows into tensors.
         tokenizer: the shared tokenizer.
         limit: decode at most this many inputs (None: all).
+        format: the data format of the dataset (`generative`: greedy decoding; `aligned`: argmax at the
+            positions of `x`, nothing generated).
     """
 
     def __init__(self, dataset_fn: Callable, rule_sets: Sequence[RuleSet], collate, tokenizer,
-                 batch_size: int = 250, limit: int | None = None, active_threshold: float = 0.01) -> None:
+                 batch_size: int = 250, limit: int | None = None, active_threshold: float = 0.01,
+                 format: str = "generative") -> None:
         self.dataset_fn, self.rule_sets, self.collate = dataset_fn, list(rule_sets), collate
         self.tokenizer, self.batch_size, self.limit = tokenizer, batch_size, limit
         self.active_threshold = active_threshold
+        self.format = check_format(format)
         self.last: dict[str, float] = {}
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -44,7 +48,7 @@ class CompositionEvaluation(pl.Callback):
             dataset = dataset.select(range(self.limit))
         composed = pl_module.composed_model(self.tokenizer)
         self.last = evaluate_composition(composed, self.tokenizer, dataset, self.rule_sets, self.collate,
-                                         self.batch_size, self.active_threshold)
+                                         self.batch_size, self.active_threshold, format=self.format)
         for key, value in self.last.items():
             pl_module.log(f"val/composed/{key}", value, prog_bar=key == "exact_match", sync_dist=True)
 

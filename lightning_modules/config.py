@@ -24,6 +24,9 @@ class DataConfig:
     alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     min_len: int = 8
     max_len: int = 16
+    # generative: `<bos> x <sep> y <eos>`, decoded greedily; aligned: `<bos> x`, the logits at x_j predict
+    # y_j and the prediction is the argmax there (the paper's appendix set-up; corruption_prob is ignored).
+    format: str = "generative"
     n_train: int = 8000
     n_val: int = 500
     n_test: int = 1000
@@ -146,6 +149,7 @@ class RunConfig:
 
 
 CHOICES = {
+    "data.format": ("generative", "aligned"),
     "model.arch": ("llama", "gpt2"),
     "expert.mode": ("lora", "full", "head"),
     "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),

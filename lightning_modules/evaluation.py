@@ -2,6 +2,10 @@
 
 Shared by the validation-time `CompositionEvaluation` callback and the final test stage, so the numbers
 logged during training and those in `summary.json` are computed by the same code.
+
+Both data formats are supported (`format=`, one of `data.letters.DATA_FORMATS`): `generative` decodes
+`<bos> x <sep>` greedily with `ComposedLM.generate`; `aligned` generates nothing: the prediction is the
+argmax of `ComposedLM.score(<bos> x)` at the positions holding `x`, and counts as ended with <eos>.
 """
 
 from __future__ import annotations
@@ -20,13 +24,35 @@ from compose.metrics import (
     ProjectivityError,
     SequenceNLL,
 )
-from data.letters import RuleSet, apply_rules, decode_outputs, prompt_batch
+from data.letters import RuleSet, aligned_batch, apply_rules, check_format, decode_outputs, prompt_batch
+
+
+@torch.no_grad()
+def aligned_outputs(model: ComposedLM, tokenizer, xs: Sequence[str],
+                    batch_size: int = 250) -> tuple[list[str], list[bool]]:
+    """Position-aligned predictions: for each `x`, the argmax of the composed log-probs at the positions
+    holding `x[0] .. x[n-1]` of `<bos> x` (right-padded), decoded (special tokens kept, e.g. `"<eos>"`, so a
+    malformed prediction never matches a letter string). Every output counts as ended (`True`)."""
+    texts: list[str] = []
+    for start in range(0, len(xs), batch_size):
+        chunk = list(xs[start:start + batch_size])
+        ids, attn = aligned_batch(tokenizer, chunk)
+        best = model.score(ids, attn).argmax(-1).cpu()  # [B, 1 + max n]
+        for b, x in enumerate(chunk):
+            texts.append(tokenizer.decode(best[b, 1:1 + len(x)].tolist(), skip_special_tokens=False))
+    return texts, [True] * len(texts)
 
 
 @torch.no_grad()
 def greedy_outputs(model: ComposedLM, tokenizer, xs: Sequence[str], batch_size: int = 250,
-                   max_new_tokens: int | None = None) -> tuple[list[str], list[bool]]:
-    """Greedy outputs (letters up to <eos>) and whether each ended with <eos>."""
+                   max_new_tokens: int | None = None,
+                   format: str = "generative") -> tuple[list[str], list[bool]]:
+    """Greedy outputs (letters up to <eos>) and whether each ended with <eos>.
+
+    With `format="aligned"` nothing is generated: see `aligned_outputs` (`max_new_tokens` is unused).
+    """
+    if check_format(format) == "aligned":
+        return aligned_outputs(model, tokenizer, xs, batch_size)
     texts, ended = [], []
     device = next(model.parameters()).device
     for start in range(0, len(xs), batch_size):
@@ -42,27 +68,41 @@ def greedy_outputs(model: ComposedLM, tokenizer, xs: Sequence[str], batch_size: 
 
 
 def exact_match(model: ComposedLM, tokenizer, xs: Sequence[str], rule_sets: Sequence[RuleSet],
-                batch_size: int = 250) -> float:
-    """Fraction of inputs whose greedy output is exactly `apply_rules(x, rule_sets)` followed by <eos>."""
-    preds, ended = greedy_outputs(model, tokenizer, xs, batch_size)
+                batch_size: int = 250, format: str = "generative") -> float:
+    """Fraction of inputs whose greedy output is exactly `apply_rules(x, rule_sets)` followed by <eos>
+    (`format="aligned"`: whose argmax at every position of `x` is right)."""
+    preds, ended = greedy_outputs(model, tokenizer, xs, batch_size, format=format)
     metric = ExactMatch()
     metric.update(preds, [apply_rules(x, rule_sets) for x in xs], ended)
     return float(metric.compute())
 
 
+def _check_dataset_format(dataset, format: str) -> None:
+    """Aligned rows have `output_start == 1`; generative ones `len(x) + 2 >= 3`."""
+    if check_format(format) and len(dataset) and "output_start" in dataset.column_names:
+        aligned = dataset[0]["output_start"] == 1
+        if aligned != (format == "aligned"):
+            raise ValueError(f"evaluate_composition: format={format!r} but the dataset's rows are in the "
+                             f"{'aligned' if aligned else 'generative'} format (output_start="
+                             f"{dataset[0]['output_start']})")
+
+
 @torch.no_grad()
 def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Sequence[RuleSet],
-                         collate, batch_size: int = 250, active_threshold: float = 0.01) -> dict[str, float]:
+                         collate, batch_size: int = 250, active_threshold: float = 0.01,
+                         format: str = "generative") -> dict[str, float]:
     """Everything the composition is judged by, on a compositional dataset (rows with x, y, masks [k, T]).
 
-    Generation: exact match, per-skill accuracy, failure types. Teacher-forced on the ideal composed
-    targets (the prefixes the composition should produce): NLL of the joint target, projectivity error,
-    each expert's off/on-mask KL and largest off-mask centered log-ratio, pairwise active-set IoU.
+    Generation (`format="aligned"`: argmax at the positions of `x`, see `aligned_outputs`): exact match,
+    per-skill accuracy, failure types. Teacher-forced on the ideal composed targets (the prefixes the
+    composition should produce): NLL of the joint target, projectivity error, each expert's off/on-mask KL
+    and largest off-mask centered log-ratio, pairwise active-set IoU. `dataset` must be built in `format`.
     """
+    _check_dataset_format(dataset, format)
     names = list(model.names)
     k = len(names)
     xs, ys = list(dataset["x"]), list(dataset["y"])
-    preds, ended = greedy_outputs(model, tokenizer, xs, batch_size)
+    preds, ended = greedy_outputs(model, tokenizer, xs, batch_size, format=format)
     results: dict[str, float] = {}
 
     em, failures = ExactMatch(), FailureTypes()

@@ -109,7 +109,8 @@ def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
 def data_config(cfg: DictConfig, corruption_prob: float, reg_data: str = "own", n_experts: int = 1) -> LettersDataConfig:
     """`data.batch_size` and the split sizes count rows per expert: k experts train on k × batch_size rows."""
     d = cfg.data
-    return LettersDataConfig(alphabet=d.alphabet, min_len=d.min_len, max_len=d.max_len, n_train=d.n_train,
+    return LettersDataConfig(alphabet=d.alphabet, min_len=d.min_len, max_len=d.max_len, format=d.format,
+                             n_train=d.n_train,
                              n_val=d.n_val, n_test=d.n_test, batch_size=d.batch_size * n_experts,
                              corruption_prob=corruption_prob,
                              source_prob=d.source_prob, compositional_min_experts=d.compositional_min_experts,
@@ -201,7 +202,8 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[E
     c = cfg.composition
     callbacks = [
         CompositionEvaluation(lambda: dm.compositional_dataset("val"), plan.in_play, collate, plan.tokenizer,
-                              batch_size=c.eval_batch_size, limit=c.val_limit, active_threshold=c.active_threshold),
+                              batch_size=c.eval_batch_size, limit=c.val_limit, active_threshold=c.active_threshold,
+                              format=cfg.data.format),
         ExportForComposition(plan.out / "export", plan.tokenizer,
                              specs={r.name: {"rules": dict(r.rules)} for r in plan.trained},
                              weights={s.name: float(s.weight) for s in cfg.experts}, background_path=background_path,
@@ -219,23 +221,24 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[E
 def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None,
                       dm: ExpertDataModule | None) -> dict:
     """Final evaluation on the test split: background, each expert alone, and the composition."""
-    tok, bs = plan.tokenizer, cfg.composition.eval_batch_size
+    tok, bs, fmt = plan.tokenizer, cfg.composition.eval_batch_size, cfg.data.format
     summary: dict = {}
     background = load_pretrained(background_path, tok).eval()
     bg_dm = BackgroundDataModule(tok, data_config(cfg, 0.0))
     bg_dm.setup("test")
     summary["background"] = {"exact_match": exact_match(ComposedLM(background, tokenizer=tok), tok,
-                                                        bg_dm.copy_eval_inputs("test"), [], bs)}
+                                                        bg_dm.copy_eval_inputs("test"), [], bs, format=fmt)}
     if module is None:
         return summary
     module.eval()
     summary["experts"] = {}
     for i, rs in enumerate(plan.trained):
         alone = module.composed_model(tok, names=[rs.name])
-        summary["experts"][rs.name] = {"exact_match": exact_match(alone, tok, dm.expert_eval_inputs(i, "test"), [rs], bs)}
+        summary["experts"][rs.name] = {"exact_match": exact_match(alone, tok, dm.expert_eval_inputs(i, "test"), [rs], bs,
+                                                                  format=fmt)}
     collate = LettersCollator(tok, cfg.data.alphabet)
     results = evaluate_composition(module.composed_model(tok), tok, dm.compositional_dataset("test"), plan.in_play,
-                                   collate, bs, cfg.composition.active_threshold)
+                                   collate, bs, cfg.composition.active_threshold, format=fmt)
     for rs in plan.in_play:
         entry = summary["experts"].setdefault(rs.name, {"trained_in": "compose_with"})
         for key in ("off_mask_kl", "on_mask_kl", "max_off_mask_log_ratio", "skill_accuracy"):
@@ -281,7 +284,7 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set, col
             continue  # TIES and DARE are implemented for LoRA adapters (peft) only
         merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
         results[method] = {
-            "exact_match": exact_match(merged, tok, list(test_set["x"]), plan.in_play, bs),
+            "exact_match": exact_match(merged, tok, list(test_set["x"]), plan.in_play, bs, format=cfg.data.format),
             "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
         }
         if module.hparams.mode == "lora":

@@ -135,3 +135,15 @@ def test_compose_with_an_export_of_another_tokenizer_is_refused(fast_run, tmp_pa
                                      f"composition.compose_with=[{out / 'export'}]"], base=DEFAULT)
     with pytest.raises(ConfigError, match="tokenizer of .* differs"):
         run(cfg)
+
+
+def test_readme_composition_example_runs_on_an_export(fast_run, capsys):
+    out, _ = fast_run
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- example: compose-export -->", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    lines = [f'export = "{out / "export"}"' if line.startswith("export = ") else line for line in block.splitlines()]
+    exec("\n".join(lines), {})
+    printed = capsys.readouterr().out.splitlines()
+    decoded = eval(printed[0])  # noqa: S307 - our own printed list of (text, ended) pairs
+    assert len(decoded) == 2 and all(isinstance(t, str) and isinstance(e, bool) for t, e in decoded)
+    assert printed[1] == "['A_to_B', 'C_to_D'] [1.0, 1.0]"
