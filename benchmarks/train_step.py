@@ -216,6 +216,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     load_start, load_ready, quiet = wait_for_quiet(args.max_load, args.wait)
+    waited = time.perf_counter() - t0
     threads_note = ""
     if args.threads is None and not quiet:
         args.threads = 1
@@ -297,7 +298,8 @@ def main() -> None:
         f"{len(cfg.expert.lora.target_modules)} linear layers per block; median of {args.steps} steps after "
         f"{args.warmup} warm-up, median of {args.reps} interleaved reps; background "
         f"{args.background or 'untrained (random init)'}; composed exact match at the last eval "
-        f"{comp_results['exact_match']:.3f}; total {time.perf_counter() - t0:.0f} s",
+        f"{comp_results['exact_match']:.3f}; total {time.perf_counter() - t0:.0f} s "
+        f"({waited:.0f} s of it waiting for the load to drop)",
     ]
     text = "\n".join(lines)
     print(text)

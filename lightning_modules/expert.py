@@ -136,7 +136,8 @@ class ExpertLM(pl.LightningModule):
     @torch.no_grad()
     def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         if self.hparams.mode != "lora":
-            return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
+            with _eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
+                return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
         model = self.peft_model
         with model.disable_adapter(), _eval_mode(model):
             # A wrapper (FSDP, say) that re-enables adapters would silently regularize toward the expert.
