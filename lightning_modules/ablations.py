@@ -8,6 +8,7 @@ on the parent run's own experts, in `composition_stage`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -51,8 +52,6 @@ def check_ablations(cfg: DictConfig) -> None:
 
 def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
     """Run every variant of `cfg.ablations` at every k of `cfg.ablation_ks` (default: the run's own k)."""
-    from lightning_modules.stages import run
-
     ks = [int(k) for k in cfg.ablation_ks] or [len(cfg.experts)]
     backgrounds: dict[str, Path] = {_background_key(cfg): background_path}
     results: dict = {}
@@ -63,16 +62,15 @@ def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
             sub = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
             sub.experts = standard_experts(k, cfg.data.alphabet) if k != len(cfg.experts) else cfg.experts
             sub.ablations, sub.ablation_ks, sub.baselines, sub.report = [], [], [], False
-            sub.ckpt_path = None
             key = _background_key(sub)
             if key not in backgrounds and not cfg.background.path:
                 bg_cfg = OmegaConf.merge(sub, {"experts": [], "output_dir": str(out / "ablations" / f"background_{key}")})
                 print(f"[ablations] training background {key}")
-                backgrounds[key] = Path(run(bg_cfg)["output_dir"]) / "background"
+                backgrounds[key] = Path(_run_or_resume(bg_cfg, cfg.ckpt_path == "last")["output_dir"]) / "background"
             sub.background.path = str(backgrounds.get(key, background_path))
             sub.output_dir = str(out / "ablations" / f"{variant}_k{k}")
             print(f"[ablations] {variant}, k={k}: {' '.join(overrides) or '(no overrides)'}")
-            s = run(sub)
+            s = _run_or_resume(sub, resuming=cfg.ckpt_path == "last")
             experts = s.get("experts", {}).values()
             results[variant]["k"][str(k)] = {
                 "exact_match": s["composition"]["exact_match"],
@@ -83,6 +81,17 @@ def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
                 "output_dir": s["output_dir"],
             }
     return results
+
+
+def _run_or_resume(sub: DictConfig, resuming: bool) -> dict:
+    """A sub-run; when the parent resumes, a finished sub-run is read back and an unfinished one resumed."""
+    from lightning_modules.stages import run
+
+    folder = Path(sub.output_dir)
+    if resuming and (folder / "summary.json").is_file():
+        return json.loads((folder / "summary.json").read_text())
+    sub.ckpt_path = "last" if resuming and folder.exists() else None
+    return run(sub)
 
 
 def _background_key(cfg: DictConfig) -> str:

@@ -153,6 +153,8 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
         if ckpt and ("size mismatch" in str(e) or "Missing key" in str(e) or "Unexpected key" in str(e)):
             raise ConfigError(f"checkpoint {ckpt} does not match the config ({str(e).splitlines()[0][:200]})") from None
         raise
+    # ModelCheckpoint saves every N steps; make `last.ckpt` the state at the end of the stage as well.
+    trainer.save_checkpoint(out / "checkpoints" / stage / "last.ckpt")
 
 
 def background_stage(cfg: DictConfig, plan: Plan) -> Path:

@@ -25,7 +25,7 @@ def train(*args, cwd=ROOT, timeout=300):
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fast") / "run"
-    proc = train(FAST, f"output_dir={out}", "baselines=[task_arithmetic]")
+    proc = train(FAST, f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -44,6 +44,7 @@ def test_fast_run_writes_everything(fast_run):
         assert summary["experts"][name]["off_mask_kl"] >= 0.0
     assert 0.0 <= summary["composition"]["exact_match"] <= 1.0
     assert "task_arithmetic" in summary["baselines"]
+    assert 0.0 <= summary["ablations"]["plain"]["k"]["2"]["exact_match"] <= 1.0
     assert str(out) in proc.stdout  # the run ends by printing where it wrote
     # validation logged the composition alongside the experts' factorizability
     header = (out / "logs/experts/metrics.csv").read_text().splitlines()[0]
@@ -82,7 +83,7 @@ def test_export_reloads_with_the_same_composed_logprobs(fast_run):
 def test_resume_from_last_checkpoint_skips_finished_stages(fast_run, tmp_path):
     out, _ = fast_run
     summary_before = json.loads((out / "summary.json").read_text())
-    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "baselines=[task_arithmetic]")
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["composition"]["exact_match"] == summary_before["composition"]["exact_match"]
@@ -147,3 +148,31 @@ def test_readme_composition_example_runs_on_an_export(fast_run, capsys):
     decoded = eval(printed[0])  # noqa: S307 - our own printed list of (text, ended) pairs
     assert len(decoded) == 2 and all(isinstance(t, str) and isinstance(e, bool) for t, e in decoded)
     assert printed[1] == "['A_to_B', 'C_to_D'] [1.0, 1.0]"
+
+
+def test_resume_continues_an_interrupted_stage_from_its_last_checkpoint(fast_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(fast_run[0], out)
+    shutil.rmtree(out / "background")  # as if the run died after the background's last checkpoint
+    shutil.rmtree(out / "export")
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "background.max_steps=13")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Restoring states from the checkpoint path" in proc.stderr + proc.stdout
+    state = torch.load(out / "checkpoints/background/last.ckpt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == 13  # 10 steps restored, 3 more trained
+    assert (out / "background/model.safetensors").is_file() and (out / "export/composition.yaml").is_file()
+
+
+def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(fast_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(fast_run[0], out)
+    shutil.rmtree(out / "background")
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "model.hidden_size=48")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint") and "does not match the config" in last
+    assert (out / "export/composition.yaml").is_file()  # what was written before is intact
