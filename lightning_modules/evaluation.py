@@ -37,7 +37,8 @@ def aligned_outputs(model: ComposedLM, tokenizer, xs: Sequence[str],
     for start in range(0, len(xs), batch_size):
         chunk = list(xs[start:start + batch_size])
         ids, attn = aligned_batch(tokenizer, chunk)
-        best = model.score(ids, attn).argmax(-1).cpu()  # [B, 1 + max n]
+        device = next(model.parameters()).device
+        best = model.score(ids.to(device), attn.to(device)).argmax(-1).cpu()  # [B, 1 + max n]
         for b, x in enumerate(chunk):
             texts.append(tokenizer.decode(best[b, 1:1 + len(x)].tolist(), skip_special_tokens=False))
     return texts, [True] * len(texts)

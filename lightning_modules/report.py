@@ -300,7 +300,7 @@ def _composition_section(c: dict) -> list[str]:
         lines.append("")
     overlap = c.get("overlap") or {}
     if overlap:
-        lines += ["### Pairwise mask overlap (IoU of the experts' masks on the test inputs)", ""]
+        lines += ["### Pairwise active-set overlap (IoU of the positions where each expert is active, KL(p_b ‖ p_i) above the threshold)", ""]
         lines += _table(["pair", "IoU"], [[pair.replace("__", " × "), _fmt(v)] for pair, v in overlap.items()])
         lines.append("")
     sources = c.get("overlapping_sources")
