@@ -12,6 +12,7 @@ experiment), then the overrides. Examples:
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
         from lightning_modules.report import print_summary
         from lightning_modules.stages import run
 
-        summary = run(cfg, command=" ".join(["python train.py", *argv]))
+        summary = run(cfg, command=shlex.join(["python", "train.py", *argv]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

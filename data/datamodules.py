@@ -245,14 +245,15 @@ class ExpertDataModule(_LettersDataModule):
         cfg: LettersDataConfig | None,
         experts: Sequence[RuleSet],
         composition_experts: Sequence[RuleSet] | None = None,
+        allow_overlap: bool = False,
     ) -> None:
         super().__init__(tokenizer, cfg)
         self.experts = list(experts)
         self.composition_experts = list(composition_experts) if composition_experts is not None else list(experts)
         if not self.experts:
             raise ValueError("ExpertDataModule needs at least one expert")
-        validate_rule_sets(self.experts, self.cfg.alphabet)
-        validate_rule_sets(self.composition_experts, self.cfg.alphabet)
+        validate_rule_sets(self.experts, self.cfg.alphabet, allow_overlap=allow_overlap)
+        validate_rule_sets(self.composition_experts, self.cfg.alphabet, allow_overlap=allow_overlap)
         names = [e.name for e in self.composition_experts]
         for e in self.experts:
             if e not in self.composition_experts:

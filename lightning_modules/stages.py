@@ -195,7 +195,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[E
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
     e = cfg.expert
     dm = ExpertDataModule(plan.tokenizer, data_config(cfg, e.corruption_prob, e.reg_data, len(plan.trained)), plan.trained,
-                          composition_experts=plan.in_play)
+                          composition_experts=plan.in_play, allow_overlap=cfg.composition.allow_overlap)
     dm.setup("fit")
     module = expert_module(cfg, plan, background_path)
     print(f"[experts] {', '.join(r.name for r in plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}), "

@@ -176,3 +176,14 @@ def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(fast_run, tm
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: checkpoint") and "does not match the config" in last
     assert (out / "export/composition.yaml").is_file()  # what was written before is intact
+
+
+def test_overlapping_experts_run_when_allowed_and_are_marked(tmp_path):
+    from lightning_modules.stages import run
+
+    cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'run'}", "ablations=[]", "baselines=[]",
+                                     "experts=[{name: a, rules: {A: B}}, {name: b, rules: {A: B, C: D}}]",
+                                     "composition.allow_overlap=true"], base=DEFAULT)
+    summary = run(cfg)
+    assert summary["composition"]["overlapping_sources"] == ["source letter 'A' is shared by experts 'a' and 'b'"]
+    assert "Overlapping rule sources" in (tmp_path / "run" / "report.md").read_text()
