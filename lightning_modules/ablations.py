@@ -60,7 +60,8 @@ def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
         results[variant] = {"description": description, "overrides": overrides, "k": {}}
         for k in ks:
             sub = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-            sub.experts = standard_experts(k, cfg.data.alphabet) if k != len(cfg.experts) else cfg.experts
+            if k != len(cfg.experts):
+                sub = OmegaConf.merge(sub, {"experts": standard_experts(k, cfg.data.alphabet)})
             sub.ablations, sub.ablation_ks, sub.baselines, sub.report = [], [], [], False
             key = _background_key(sub)
             if key not in backgrounds and not cfg.background.path:

@@ -44,7 +44,10 @@ def test_fast_run_writes_everything(fast_run):
         assert summary["experts"][name]["off_mask_kl"] >= 0.0
     assert 0.0 <= summary["composition"]["exact_match"] <= 1.0
     assert "task_arithmetic" in summary["baselines"]
-    assert 0.0 <= summary["ablations"]["plain"]["k"]["2"]["exact_match"] <= 1.0
+    for k in ("2", "3"):
+        assert 0.0 <= summary["ablations"]["plain"]["k"][k]["exact_match"] <= 1.0
+    k3 = json.loads((out / "ablations/plain_k3/summary.json").read_text())
+    assert sorted(k3["experts"]) == ["A_to_B", "C_to_D", "E_to_F"] and k3["composition"]["k"] == 3
     assert str(out) in proc.stdout  # the run ends by printing where it wrote
     # validation logged the composition alongside the experts' factorizability
     header = (out / "logs/experts/metrics.csv").read_text().splitlines()[0]
