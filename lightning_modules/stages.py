@@ -78,6 +78,7 @@ def plan_run(cfg: DictConfig) -> Plan:
         except (OSError, ValueError) as e:
             raise ConfigError(f"composition.compose_with: {export}: {e}") from None
         _check_same_vocab(manifest, tokenizer, export)
+        _check_same_background(manifest, export, cfg.background.path)
         for expert in manifest["experts"]:
             if expert.get("kind", "lora") != "lora":
                 raise ConfigError(f"composition.compose_with: {export}: expert '{expert['name']}' is not a LoRA adapter")
@@ -104,6 +105,31 @@ def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"composition.compose_with: the tokenizer of {export} differs from this run's "
                           f"(data.alphabet={tokenizer.name_or_path or 'this run'})")
+
+
+def _check_same_background(manifest: dict, export: str, background_path: str | None) -> None:
+    """Adapters only mean something on the background they were trained on: require that one."""
+    entry = manifest["background"]
+    theirs = Path(export) / entry["path"] if "path" in entry else Path(export) / entry["ref"]
+    if not background_path:
+        raise ConfigError(f"composition.compose_with: set background.path to the background the experts of "
+                          f"{export} were trained on (e.g. background.path={theirs})")
+    if not _same_weights(Path(background_path), theirs):
+        raise ConfigError(f"composition.compose_with: the background of {export} ({theirs}) differs from "
+                          f"background.path={background_path}")
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    files_a, files_b = sorted(a.glob("*.safetensors")), sorted(b.glob("*.safetensors"))
+    if [f.name for f in files_a] != [f.name for f in files_b] or not files_a:
+        return False
+    for fa, fb in zip(files_a, files_b, strict=True):
+        ta, tb = load_file(fa), load_file(fb)
+        if ta.keys() != tb.keys() or any(not torch.equal(ta[k], tb[k]) for k in ta):
+            return False
+    return True
 
 
 def data_config(cfg: DictConfig, corruption_prob: float, reg_data: str = "own", n_experts: int = 1) -> LettersDataConfig:

@@ -190,3 +190,36 @@ def test_overlapping_experts_run_when_allowed_and_are_marked(tmp_path):
     summary = run(cfg)
     assert summary["composition"]["overlapping_sources"] == ["source letter 'A' is shared by experts 'a' and 'b'"]
     assert "Overlapping rule sources" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_a_new_expert_composes_with_an_earlier_export(fast_run, tmp_path):
+    """Experts trained at different times: E_to_F trains alone, validated and tested with A_to_B, C_to_D."""
+    from lightning_modules.stages import run
+
+    out, _ = fast_run
+    common = [f"composition.compose_with=[{out / 'export'}]", "ablations=[]", "baselines=[]",
+              "experts=[{name: E_to_F, rules: {E: F}}]"]
+    with pytest.raises(ConfigError, match="set background.path"):
+        run(load_config([str(FAST)], [f"output_dir={tmp_path / 'a'}", *common], base=DEFAULT))
+    other = _other_background(out, tmp_path / "other_background")
+    with pytest.raises(ConfigError, match="differs from background.path"):
+        run(load_config([str(FAST)], [f"output_dir={tmp_path / 'b'}", *common, f"background.path={other}"],
+                        base=DEFAULT))
+    summary = run(load_config([str(FAST)], [f"output_dir={tmp_path / 'c'}", *common,
+                                            f"background.path={out / 'background'}"], base=DEFAULT))
+    assert summary["composition"]["k"] == 3
+    assert summary["experts"]["A_to_B"]["trained_in"] == "compose_with"
+    assert "exact_match" in summary["experts"]["E_to_F"]
+    header = (tmp_path / "c/logs/experts/metrics.csv").read_text().splitlines()[0]
+    assert "val/composed/A_to_B/skill_accuracy" in header and "val/composed/E_to_F/skill_accuracy" in header
+
+
+def _other_background(run_dir, dest):
+    """A background folder with the same architecture but different weights."""
+    from lightning_modules.models import load_pretrained
+
+    model = load_pretrained(run_dir / "background")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(dest)
+    return dest
