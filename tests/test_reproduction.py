@@ -24,8 +24,9 @@ def run_train(out: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_default_experiment_composes_exactly(tmp_path):
-    s = run_train(tmp_path / "default")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_default_experiment_composes_exactly(tmp_path, seed):
+    s = run_train(tmp_path / "default", f"seed={seed}")
     assert s["background"]["exact_match"] >= 0.995
     for name, expert in s["experts"].items():
         assert expert["exact_match"] >= 0.995, name
