@@ -220,6 +220,10 @@ class ComposedLM(nn.Module):
             if self.backend != "adapters":
                 yield
                 return
+            if _grouped_lora_supported(self.model, self.names):
+                with _grouped_lora(self.model, self.names, batch_size):
+                    yield
+                return
             from peft.tuners.lora import LoraLayer
             from peft.utils import AuxiliaryTrainingWrapper
 
@@ -423,6 +427,59 @@ def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: tor
             raise ValueError(f"gate {i} returned {value.numel()} values for a batch of {prefix.shape[0]}")
         rows.append(value)
     return torch.stack(rows)
+
+
+def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
+    """Plain (unmerged, non-DoRA) LoRA on linear layers only, and no trainable auxiliary modules."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    for module in model.modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            return False
+        if isinstance(module, LoraLayer):
+            if not isinstance(module, LoraLinear) or module.merged:
+                return False
+            if any(n in module.lora_variant or module.use_dora.get(n, False) for n in names):
+                return False
+    return True
+
+
+@contextmanager
+def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[None]:
+    """The mixed-adapter batch ``[background | expert 1 | … | expert k]`` (``batch_size`` rows each), faster.
+
+    Same arithmetic as peft's ``LoraLayer._mixed_batch_forward`` (base output, plus each adapter's
+    ``B(A(x))·scaling`` on its own rows), but the rows of each component are a contiguous block, so a
+    slice replaces peft's per-step Python index lists and gather/scatter in every layer. Each LoRA layer
+    runs its base layer alone (its adapters disabled) and a forward hook adds the experts' updates.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    def add_experts(module, args, output):
+        x = args[0]
+        for i, name in enumerate(names):
+            if name in module.lora_A:
+                rows = slice((i + 1) * batch_size, (i + 2) * batch_size)
+                lora_a = module.lora_A[name]
+                update = module.lora_B[name](lora_a(x[rows].to(lora_a.weight.dtype))) * module.scaling[name]
+                output[rows] += update.to(output.dtype)
+        return output
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    disabled = [m._disable_adapters for m in layers]
+    handles = []
+    try:
+        for m in layers:
+            m._disable_adapters = True  # the attribute itself: peft's enable_adapters() would reset requires_grad
+            handles.append(m.register_forward_hook(add_experts))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m, d in zip(layers, disabled, strict=True):
+            m._disable_adapters = d
 
 
 def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):

@@ -310,3 +310,31 @@ def test_bad_arguments():
         ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0])
     with pytest.raises(ValueError, match="gates has 1 entries"):
         ComposedLM.from_peft(peft_model, ["a", "b"]).generate(torch.ones(1, 3, dtype=torch.long), gates=[None])
+
+
+def test_grouped_lora_fast_path_equals_peft_mixed_batch(monkeypatch):
+    """The adapters backend's slice-based LoRA path gives exactly what peft's own mixed batch gives."""
+    import compose.composed_lm as clm
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = LlamaForCausalLM(cfg).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    model = get_peft_model(base, lora, adapter_name="a")
+    model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    composed = ComposedLM.from_peft(model, ["a", "b"], weights=[1.0, 0.5])
+    assert clm._grouped_lora_supported(model, ["a", "b"])
+    ids = torch.randint(5, 24, (3, 9))
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0  # left padding
+    fast_score = composed.score(ids, attn)
+    fast_gen = composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[])
+    monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+    torch.testing.assert_close(composed.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
+    assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
+    assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
