@@ -42,3 +42,12 @@ def test_more_experts_compose(tmp_path, k):
                   "baselines=[]", "ablations=[]")
     assert s["composition"]["k"] == k
     assert s["composition"]["exact_match"] >= 0.99
+
+
+@pytest.mark.slow
+def test_position_aligned_variant_composes_exactly(tmp_path):
+    s = run_train(tmp_path / "aligned", str(ROOT / "configs" / "experiment" / "letters_aligned.yaml"),
+                  "baselines=[]", "ablations=[]")
+    assert s["background"]["exact_match"] >= 0.995
+    assert min(e["exact_match"] for e in s["experts"].values()) >= 0.995
+    assert s["composition"]["exact_match"] >= 0.995
