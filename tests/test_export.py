@@ -9,62 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from peft import LoraConfig, get_peft_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_models import VOCAB, char_tokenizer, tiny_model, tiny_peft
 
 from compose import ComposedLM, export_composition, load_manifest
-
-VOCAB = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads waiting
-    on each other at every op barrier make these tests ~30x slower; restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def char_tokenizer(letters: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ") -> PreTrainedTokenizerFast:
-    specials = ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + list(letters))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-        sep_token="<sep>", unk_token="<unk>",
-    )
-
-
-def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
-    torch.manual_seed(seed)
-    if arch == "llama":
-        config = LlamaConfig(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        )
-        return LlamaForCausalLM(config).eval()
-    config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return GPT2LMHeadModel(config).eval()
-
-
-def tiny_peft(arch: str = "llama", names=("a2b", "c2d"), seed: int = 0):
-    model = tiny_model(arch, seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    peft_model = get_peft_model(model, config, adapter_name=names[0])
-    for name in names[1:]:
-        peft_model.add_adapter(name, config)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in peft_model.named_parameters():
-            if "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return peft_model.eval()
 
 
 def batch():
@@ -78,7 +25,7 @@ SPECS = {"a2b": {"rules": {"A": "B"}}, "c2d": {"rules": {"C": "D"}, "interval": 
 
 
 def export_lora(path: Path, arch: str = "llama", **kw):
-    peft_model = tiny_peft(arch)
+    peft_model = tiny_peft(arch, names=("a2b", "c2d"))
     kw.setdefault("weights", {"a2b": 1.0, "c2d": 0.5})
     out = export_composition(path, tokenizer=char_tokenizer(), peft_model=peft_model, adapter_names=["a2b", "c2d"],
                              specs=SPECS, extra={"run": "unit-test"}, **kw)
@@ -238,7 +185,7 @@ def test_failure_mid_export_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_bad_export_arguments_write_nothing(tmp_path):
-    peft_model = tiny_peft()
+    peft_model = tiny_peft(names=("a2b", "c2d"))
     tok = char_tokenizer()
     with pytest.raises(ValueError, match="weights names unknown experts"):
         export_composition(tmp_path / "e", tokenizer=tok, peft_model=peft_model, weights={"zz": 1.0})

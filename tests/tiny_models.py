@@ -1,0 +1,53 @@
+"""Tiny models, adapters and a character tokenizer built in-process, shared by the compose tests."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 32
+EOS, PAD = 2, 0
+
+
+def char_tokenizer(letters: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ") -> PreTrainedTokenizerFast:
+    specials = ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + list(letters))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        sep_token="<sep>", unk_token="<unk>",
+    )
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        )
+        return LlamaForCausalLM(config).eval()
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_peft(arch: str = "llama", names=("a", "b"), seed: int = 0):
+    """A PeftModel with LoRA adapters whose B matrices are random (so experts really differ)."""
+    model = tiny_model(arch, seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return peft_model.eval()
