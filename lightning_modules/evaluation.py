@@ -23,6 +23,7 @@ from compose.metrics import (
     MaskedDivergence,
     ProjectivityError,
     SequenceNLL,
+    SkillAccuracy,
 )
 from data.letters import RuleSet, aligned_batch, apply_rules, check_format, decode_outputs, prompt_batch
 
@@ -109,14 +110,14 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
     em, failures = ExactMatch(), FailureTypes()
     em.update(preds, ys, ended)
     results["exact_match"] = float(em.compute())
+    # Position-aligned letters as code points ([N, L], -100 past each reference's end).
+    width = max((len(y) for y in ys), default=0)
+    as_codes = lambda text: [ord(c) for c in text[:width]] + [-100] * (width - len(text[:width]))  # noqa: E731
+    pred_codes, ref_codes = torch.tensor([as_codes(p) for p in preds]), torch.tensor([as_codes(y) for y in ys])
     for i, rs in enumerate(rule_sets):
-        hits = total = 0
-        for x, y, p in zip(xs, ys, preds, strict=True):
-            for j, c in enumerate(x):
-                if c in rs.sources:
-                    total += 1
-                    hits += int(j < len(p) and p[j] == y[j])
-        results[f"{names[i]}/skill_accuracy"] = hits / total if total else float("nan")
+        skill = SkillAccuracy()
+        skill.update(pred_codes, ref_codes, torch.tensor([[c in rs.sources for c in x.ljust(width)] for x in xs]))
+        results[f"{names[i]}/skill_accuracy"] = float(skill.compute())
     sources = set().union(*(rs.sources for rs in rule_sets)) if rule_sets else set()
     failures.update(preds, ys, xs, ended, [{j for j, c in enumerate(x) if c in sources} for x in xs])
     for kind, frac in failures.compute().items():
