@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -45,7 +44,3 @@ class BackgroundLM(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         h = self.hparams
         return adamw_with_schedule(self.model.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
-
-    @torch.no_grad()
-    def export(self, path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)

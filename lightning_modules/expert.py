@@ -166,10 +166,6 @@ class ExpertLM(pl.LightningModule):
                           tokenizer=tokenizer)
 
     # --- training -----------------------------------------------------------------------------
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        if self.hparams.mode == "lora":  # peft calls elsewhere (composition, set_adapter) may have frozen some
-            self.peft_model.set_requires_grad(self.names, True)
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         h = self.hparams
         ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]

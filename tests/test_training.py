@@ -38,6 +38,15 @@ def expert_batch(tokenizer, reg_data="own", n=64):
     return next(iter(dm.train_dataloader())), dm
 
 
+def train_steps(module, batch, n: int) -> None:
+    """n optimizer steps of `module.training_step` on one batch, outside a Trainer."""
+    opt = module.configure_optimizers()["optimizer"]
+    for _ in range(n):
+        opt.zero_grad()
+        module.training_step(batch, 0).backward()
+        opt.step()
+
+
 def trainer(steps):
     return pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
@@ -46,12 +55,8 @@ def trainer(steps):
 def test_background_lm_learns(tokenizer):
     batch, _ = expert_batch(tokenizer)
     module = BackgroundLM(tiny_model(tokenizer), lr=1e-2, max_steps=30, warmup_ratio=0.0)
-    opt = module.configure_optimizers()["optimizer"]
     first = module.training_step(batch, 0).item()
-    for _ in range(30):
-        opt.zero_grad()
-        module.training_step(batch, 0).backward()
-        opt.step()
+    train_steps(module, batch, 30)
     assert module.training_step(batch, 0).item() < 0.5 * first
 
 
@@ -61,11 +66,7 @@ def test_background_logits_are_the_frozen_background(tokenizer, mode):
     reference = copy.deepcopy(background)
     module = ExpertLM(background, [r.name for r in RULES], mode=mode, lr=1e-2, max_steps=5, warmup_ratio=0.0)
     batch, _ = expert_batch(tokenizer)
-    opt = module.configure_optimizers()["optimizer"]
-    for _ in range(5):
-        opt.zero_grad()
-        module.training_step(batch, 0).backward()
-        opt.step()
+    train_steps(module, batch, 5)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         ref = reference(input_ids=ids, attention_mask=attn).logits
@@ -110,8 +111,10 @@ def test_every_adapter_keeps_training_across_steps(tokenizer):
         for name in module.names:
             grads = [p.grad for n, p in module.model.named_parameters() if f"lora_B.{name}." in n]
             assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), name
-    module.composed_model().score(batch["input_ids"], batch["attention_mask"])  # peft calls in composition
-    module.on_train_batch_start(batch, 0)
+    # composing (as validation does) leaves every adapter trainable
+    composed = module.composed_model()
+    composed.score(batch["input_ids"], batch["attention_mask"])
+    composed.generate(batch["input_ids"][:2, :4], max_new_tokens=2)
     assert all(p.requires_grad for n, p in module.model.named_parameters() if "lora_" in n)
 
 
@@ -123,11 +126,7 @@ def test_regularizer_keeps_experts_on_background_off_mask(tokenizer):
         torch.manual_seed(0)
         module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], reg_weight=lam, lr=2e-2,
                           max_steps=40, warmup_ratio=0.0)
-        opt = module.configure_optimizers()["optimizer"]
-        for _ in range(40):
-            opt.zero_grad()
-            module.training_step(batch, 0).backward()
-            opt.step()
+        train_steps(module, batch, 40)
         ids, attn = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
             logits = module.expert_logits(ids, attn, batch["expert_index"])
@@ -153,11 +152,7 @@ def test_head_mode_trains_only_the_output_layer_and_merges_exactly(tokenizer):
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable and all("lm_head" in n for n in trainable)
     batch, _ = expert_batch(tokenizer)
-    opt = module.configure_optimizers()["optimizer"]
-    for _ in range(5):
-        opt.zero_grad()
-        module.training_step(batch, 0).backward()
-        opt.step()
+    train_steps(module, batch, 5)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     composed = module.composed_model().score(ids, attn)
     merged = task_arithmetic(module.background, [module.experts[n] for n in module.names])
