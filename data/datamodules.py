@@ -237,6 +237,10 @@ class ExpertDataModule(_LettersDataModule):
     sources; plus, by ``cfg.reg_data``, ``n_train`` regularizer rows (``is_task=0``, ``masks`` = expert
     ``i``'s own mask): copy rows for ``background`` and ``own+background``, compositional rows (targets
     = all composition experts' rules) for ``composition``, none for ``own``. Every row has ``k = 1``.
+
+    ``task_on_mask=1`` marks rows whose targets on expert ``i``'s mask are its own rule's outputs: task rows,
+    and compositional regularizer rows (the expert learns its skill on the prefixes the composition writes,
+    while the regularizer holds it to the background off its mask). Copy rows have ``task_on_mask=0``.
     """
 
     def __init__(
@@ -301,7 +305,8 @@ class ExpertDataModule(_LettersDataModule):
 
                 xs = _draw_excluding(make, n, seen, f"expert {expert.name!r} {split}")
                 self.expert_inputs[split].append(xs)
-                parts.append(self.build_dataset(xs, [expert], [expert], tok, {"expert_index": i, "is_task": 1}))
+                parts.append(self.build_dataset(xs, [expert], [expert], tok, {"expert_index": i, "is_task": 1,
+                                                                          "task_on_mask": 1}))
                 if split == "train":
                     parts.extend(self._regularizer_rows(i, expert, n))
             for xs in self.expert_inputs[split]:
@@ -319,10 +324,11 @@ class ExpertDataModule(_LettersDataModule):
         cfg, extra = self.cfg, {"expert_index": i, "is_task": 0}
         if cfg.reg_data in ("background", "own+background"):
             xs = self._strings(n, derive_seed(cfg.seed, "regularizer-copy", expert.name))(0)
-            return [self.build_dataset(xs, [], [expert], self.tokenizer, extra)]
+            return [self.build_dataset(xs, [], [expert], self.tokenizer, {**extra, "task_on_mask": 0})]
         if cfg.reg_data == "composition":
             xs = self._compositional_maker(n, derive_seed(cfg.seed, "regularizer-composition", expert.name))(0)
-            return [self.build_dataset(xs, self.composition_experts, [expert], self.tokenizer, extra)]
+            return [self.build_dataset(xs, self.composition_experts, [expert], self.tokenizer,
+                                       {**extra, "task_on_mask": 1})]
         return []
 
     def compositional_inputs(self, split: str) -> list[str]:

@@ -13,19 +13,26 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-# variant -> (what it shows, overrides)
+# variant -> (what it shows, overrides). Variants that drop the regularizer also drop the compositional
+# rows (`reg_data=own`): without it they would still carry a task loss on composed prefixes.
 ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "recipe": ("the run's own recipe", []),
-    "plain": ("λ = 0: plain fine-tuning, no regularizer", ["expert.reg_weight=0"]),
+    "plain": ("λ = 0: plain fine-tuning on the expert's own data", ["expert.reg_weight=0", "expert.reg_data=own"]),
     "no_corruption": ("no prefix corruption for background and experts",
                       ["background.corruption_prob=0", "expert.corruption_prob=0"]),
     "naive": ("the paper's setting: no regularizer, no prefix corruption",
-              ["expert.reg_weight=0", "background.corruption_prob=0", "expert.corruption_prob=0"]),
-    "kl": ("forward KL divergence", ["expert.divergence=forward_kl"]),
-    "log_ratio": ("tail-aware log-ratio divergence", ["expert.divergence=log_ratio"]),
-    "background_data": ("regularizer on background (copy) data", ["expert.reg_data=own+background"]),
-    "composed_prefixes": ("regularizer on the composition's prefixes (all rules applied, teacher-forced)",
-                          ["expert.reg_data=composition"]),
+              ["expert.reg_weight=0", "expert.reg_data=own", "background.corruption_prob=0",
+               "expert.corruption_prob=0"]),
+    "own_prefixes": ("no composed prefixes: task and regularizer on the expert's own rows only",
+                     ["expert.reg_data=own"]),
+    "kl_t1": ("forward KL at temperature 1, λ = 1 (the tail of p_b barely counts)",
+              ["expert.temperature=1", "expert.reg_weight=1"]),
+    "own_kl_t1": ("both of the above (the first recipe: own rows, KL at T = 1, λ = 1)",
+                  ["expert.reg_data=own", "expert.temperature=1", "expert.reg_weight=1"]),
+    "log_ratio": ("tail-aware log-ratio divergence (T = 1, λ = 1)",
+                  ["expert.divergence=log_ratio", "expert.temperature=1", "expert.reg_weight=1"]),
+    "background_data": ("regularizer on background (copy) data instead of composed prefixes",
+                        ["expert.reg_data=own+background"]),
 }
 
 # Disjoint single-letter experts for the k sweep: A→B, C→D, E→F, ...

@@ -92,11 +92,11 @@ class ExpertTrainingConfig:
     max_steps: int = 150
     corruption_prob: float = 0.2
     # The off-mask regularizer of METHOD.md §4: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
-    reg_weight: float = 1.0
+    reg_weight: float = 3.0
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | log_ratio
     jsd_beta: float = 0.5
-    temperature: float = 1.0
-    reg_data: str = "own"  # own | background | composition | own+background
+    temperature: float = 3.0  # the divergence compares p_b and p_i at this softmax temperature
+    reg_data: str = "composition"  # own | background | composition (own rows + composed prefixes) | own+background
     task_loss_on_mask_only: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
 

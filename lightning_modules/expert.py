@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from compose import ComposedLM
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.optim import adamw_with_schedule
-from losses import off_mask_divergence, task_nll
+from losses import IGNORE_INDEX, off_mask_divergence, task_nll
 
 
 @contextmanager
@@ -174,7 +174,7 @@ class ExpertLM(pl.LightningModule):
         log_now = self.global_step % h.log_every_n_steps == 0
         bg = self.background_logits(ids, attn) if (h.reg_weight > 0 or log_now) else None
         logits = self.expert_logits(ids, attn, expert_index)
-        nll = task_nll(logits[is_task], targets[is_task], own_mask[is_task], on_mask_only=h.task_loss_on_mask_only)
+        nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
         loss = nll
         if h.reg_weight > 0:
             reg = off_mask_divergence(logits, bg, targets, own_mask, kind=h.divergence, beta=h.jsd_beta,
@@ -228,3 +228,16 @@ class ExpertLM(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         h = self.hparams
         return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
+
+
+def task_targets(batch: dict[str, Tensor], on_mask_only: bool = False) -> Tensor:
+    """The targets the task loss scores (``-100`` elsewhere): every target of a task row (``is_task``), and
+    the targets on the expert's own mask of rows marked ``task_on_mask`` (compositional regularizer rows,
+    whose targets there are the expert's own rule's). ``on_mask_only``: the own mask only, in every row."""
+    targets, own_mask = batch["targets"], batch["masks"][:, 0]
+    scored = batch["is_task"].bool().unsqueeze(1).expand_as(own_mask)
+    if "task_on_mask" in batch:
+        scored = scored | (batch["task_on_mask"].bool().unsqueeze(1) & own_mask)
+    if on_mask_only:
+        scored = scored & own_mask
+    return targets.where(scored, IGNORE_INDEX)

@@ -296,8 +296,10 @@ def test_expert_datamodule_batches_and_rows(tok):
         "targets": ((32, T), torch.long), "masks": ((32, 1, T), torch.bool),
         "output_start": ((32,), torch.long), "output_len": ((32,), torch.long),
         "expert_index": ((32,), torch.long), "is_task": ((32,), torch.long),
+        "task_on_mask": ((32,), torch.long),
     }
     assert len(set(batch["expert_index"].tolist())) > 1 and set(batch["is_task"].tolist()) == {0, 1}
+    assert batch["task_on_mask"].tolist() == batch["is_task"].tolist()  # copy rows: their masks hold copies
     train = dm.datasets["train"]
     for row in train.select(range(0, len(train), 37)):
         expert = (AB, CD, EF)[row["expert_index"]]
@@ -330,6 +332,7 @@ def test_expert_datamodule_composition(tok):
     assert len(reg) == 240 and set(reg["expert_index"]) == {0}
     row = reg[0]
     assert row["y"] == apply_rules(row["x"], [AB, CD, gh])
+    assert set(reg["task_on_mask"]) == {1}  # on its own mask the composed target is its own rule's
     n = len(row["x"])
     assert [t for t, m in enumerate(row["masks"][0]) if m] == [n + 1 + j for j, ch in enumerate(row["x"]) if ch == "C"]
     with pytest.raises(ValueError, match="'ef' .* is trained but not in composition_experts"):

@@ -11,7 +11,7 @@ from data.letters import RuleSet
 from data.tokenizer import build_char_tokenizer
 from lightning_modules.background import BackgroundLM
 from lightning_modules.config import ModelConfig
-from lightning_modules.expert import ExpertLM
+from lightning_modules.expert import ExpertLM, task_targets
 from lightning_modules.models import build_causal_lm
 from losses import off_mask_divergence
 
@@ -133,6 +133,22 @@ def test_regularizer_keeps_experts_on_background_off_mask(tokenizer):
         kls[lam] = off_mask_divergence(logits, module.background_logits(ids, attn), batch["targets"],
                                        batch["masks"][:, 0]).item()
     assert kls[10.0] < 0.5 * kls[0.0], kls
+
+
+@pytest.mark.parametrize("reg_data", ["composition", "background"])
+def test_task_targets_by_row_kind(tokenizer, reg_data):
+    """Task rows: every target. Compositional regularizer rows: the expert's own mask only (its rule's
+    outputs there). Copy rows: none (their masks hold copies of the sources)."""
+    batch, _ = expert_batch(tokenizer, reg_data=reg_data)
+    targets, own_mask, task = batch["targets"], batch["masks"][:, 0], batch["is_task"].bool()
+    scored = task_targets(batch) != -100
+    assert torch.equal(scored[task], (targets != -100)[task])
+    reg_scored = scored[~task]
+    assert torch.equal(reg_scored, own_mask[~task] if reg_data == "composition" else torch.zeros_like(reg_scored))
+    assert (reg_scored.any(1)).any() == (reg_data == "composition")
+    assert torch.equal(task_targets(batch)[scored], targets[scored])
+    on_mask = task_targets(batch, on_mask_only=True) != -100
+    assert torch.equal(on_mask, scored & own_mask)
 
 
 def test_expert_lm_fits_with_lightning_trainer(tokenizer):
