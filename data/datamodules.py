@@ -59,8 +59,10 @@ class LettersDataConfig:
         compositional_min_experts: ``None``: compositional inputs contain a source of every expert in
             play; otherwise of a random subset of at least this many (>= 2).
         reg_data: regularizer data for experts: ``own`` (none added: the regularizer runs on the task rows'
-            off-mask positions), ``background`` (copy rows), ``composition`` (compositional rows),
-            ``own+background`` (copy rows; the module regularizes on both).
+            off-mask positions), ``background`` (copy rows), ``composition`` (compositional rows: every
+            composition expert's rules applied, so the prefixes are the composition's own; the expert's task
+            loss also scores its own mask there), ``own+background`` (copy rows; the module regularizes on
+            both).
         num_workers: DataLoader workers.
         seed: base seed of every split.
     """

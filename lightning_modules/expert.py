@@ -49,6 +49,8 @@ class ExpertLM(pl.LightningModule):
         reg_weight: λ of the regularizer; 0 is plain fine-tuning.
         divergence, jsd_beta, temperature: the divergence `D` (see `losses.divergence`).
         task_loss_on_mask_only: score the task NLL on mask positions only.
+            The training loss is `NLL(task_targets(batch)) + reg_weight · off_mask_divergence`: the NLL scores
+            every target of a task row and the expert's own mask of compositional rows (`task_targets`).
         frozen_adapters: {name: adapter folder} of experts trained earlier, loaded (not trained) so
             they join the composition evaluated in validation.
         weights: composition weight per expert name (default 1).

@@ -224,7 +224,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[E
                           composition_experts=plan.in_play, allow_overlap=cfg.composition.allow_overlap)
     dm.setup("fit")
     module = expert_module(cfg, plan, background_path)
-    print(f"[experts] {', '.join(r.name for r in plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}), "
+    print(f"[experts] {', '.join(r.name for r in plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
           f"reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
     collate = LettersCollator(plan.tokenizer, cfg.data.alphabet)
     c = cfg.composition

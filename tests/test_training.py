@@ -13,7 +13,7 @@ from lightning_modules.background import BackgroundLM
 from lightning_modules.config import ModelConfig
 from lightning_modules.expert import ExpertLM, task_targets
 from lightning_modules.models import build_causal_lm
-from losses import off_mask_divergence
+from losses import off_mask_divergence, task_nll
 
 ALPHABET = "ABCDEFGH"
 RULES = [RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})]
@@ -149,6 +149,12 @@ def test_task_targets_by_row_kind(tokenizer, reg_data):
     assert torch.equal(task_targets(batch)[scored], targets[scored])
     on_mask = task_targets(batch, on_mask_only=True) != -100
     assert torch.equal(on_mask, scored & own_mask)
+    # the training loss (λ = 0) is the NLL of exactly those targets
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], reg_weight=0.0, max_steps=1)
+    with torch.no_grad():
+        logits = module.expert_logits(batch["input_ids"], batch["attention_mask"], batch["expert_index"])
+        expected = task_nll(logits, task_targets(batch))
+        assert module.training_step(batch, 0).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_expert_lm_fits_with_lightning_trainer(tokenizer):
