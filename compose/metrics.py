@@ -1,7 +1,7 @@
 """Metrics of factorizability, projectivity and composed accuracy, as torchmetrics ``Metric``s.
 
-Every state is a count or a sum reduced with ``dist_reduce_fx="sum"``, so the metrics reduce
-correctly under DDP. Tensor conventions follow ``losses``: logits ``[B, T, V]`` aligned with
+Every state is a count or a sum reduced with ``dist_reduce_fx="sum"`` (``TargetMargin``'s minimum with
+``"min"``), so the metrics reduce correctly under DDP. Tensor conventions follow ``losses``: logits ``[B, T, V]`` aligned with
 ``targets [B, T]`` (``-100`` = not a target), masks ``[B, T]`` bool. Inputs are detached.
 
 Empty denominators: ``MaskedDivergence``, ``ProjectivityError``, ``SequenceNLL``, ``ExactMatch``,
@@ -294,6 +294,56 @@ class ProjectivityError(Metric):
 
     def compute(self) -> Tensor:
         return _ratio(self.total, self.count, 0.0)
+
+
+class TargetMargin(Metric):
+    """How close the composition is to a wrong greedy choice, teacher-forced on the ideal targets.
+
+    The margin at a target position is ``lp(target) − max_{v ≠ target} lp(v)`` in nats: greedy decoding
+    keeps the target iff it is positive. Near an exact match of 1 the margins show what exact match hides,
+    how many positions are close to flipping (with k experts the composition adds k − 1 off-mask
+    log-ratios to each expert's own margin). ``update(composed_logprobs [B, T, V], targets [B, T],
+    positions [B, T] bool | None)`` scores the target positions (within ``positions`` if given).
+    ``compute()`` returns ``{"min": smallest margin, "below_<m>": fraction of positions with margin < m}``
+    for each ``m`` in ``thresholds`` (``min`` is ``0.0`` when nothing was counted).
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, thresholds: Sequence[float] = (0.0, 2.0), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.thresholds = tuple(float(m) for m in thresholds)
+        self.add_state("below", default=torch.zeros(len(self.thresholds), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("minimum", default=torch.tensor(float("inf")), dist_reduce_fx="min")
+
+    def update(self, composed_logprobs: Tensor, targets: Tensor, positions: Tensor | None = None) -> None:
+        if composed_logprobs.dim() != 3 or targets.shape != composed_logprobs.shape[:2]:
+            raise ValueError(
+                f"composed_logprobs must be [B, T, V] aligned with targets [B, T]; got "
+                f"{tuple(composed_logprobs.shape)} and {tuple(targets.shape)}"
+            )
+        lp = composed_logprobs.detach().float()
+        keep = targets != IGNORE_INDEX
+        if positions is not None:
+            keep = keep & positions.to(device=targets.device, dtype=torch.bool)
+        index = targets.clamp_min(0).unsqueeze(-1)
+        target_lp = lp.gather(-1, index).squeeze(-1)
+        rival_lp = lp.scatter(-1, index, float("-inf")).amax(-1)
+        margin = (target_lp - rival_lp)[keep]
+        if margin.numel():
+            self.minimum = torch.minimum(self.minimum, margin.min())
+        self.count += margin.numel()
+        if self.thresholds:
+            self.below += torch.stack([(margin < m).sum() for m in self.thresholds])
+
+    def compute(self) -> dict[str, Tensor]:
+        out = {"min": torch.where(self.count > 0, self.minimum, torch.zeros_like(self.minimum))}
+        for m, below in zip(self.thresholds, self.below, strict=True):
+            out[f"below_{m:g}"] = _ratio(below, self.count, 0.0)
+        return out
 
 
 FAILURE_TYPES = ("correct", "rule_not_applied", "wrong_letter_elsewhere", "length_or_eos")

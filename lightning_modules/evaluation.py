@@ -24,6 +24,7 @@ from compose.metrics import (
     ProjectivityError,
     SequenceNLL,
     SkillAccuracy,
+    TargetMargin,
 )
 from data.letters import RuleSet, aligned_batch, apply_rules, check_format, decode_outputs, prompt_batch
 
@@ -97,7 +98,8 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
 
     Generation (`format="aligned"`: argmax at the positions of `x`, see `aligned_outputs`): exact match,
     per-skill accuracy, failure types. Teacher-forced on the ideal composed targets (the prefixes the
-    composition should produce): NLL of the joint target, projectivity error, each expert's off/on-mask KL
+    composition should produce): NLL of the joint target, projectivity error, the composed margin of the
+    targets on and off the masks (`TargetMargin`: smallest, fraction below 0 and 2 nats), each expert's off/on-mask KL
     and largest off-mask centered log-ratio, pairwise active-set IoU. `dataset` must be built in `format`.
     """
     _check_dataset_format(dataset, format)
@@ -125,6 +127,7 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
 
     device = next(model.parameters()).device
     nll, proj = SequenceNLL().to(device), ProjectivityError().to(device)
+    margins = {region: TargetMargin().to(device) for region in ("on_mask", "off_mask")}
     off = [MaskedDivergence(region="off").to(device) for _ in range(k)]
     on = [MaskedDivergence(region="on").to(device) for _ in range(k)]
     overlap = ActiveSetOverlap(num_experts=k, threshold=active_threshold).to(device) if k > 1 else None
@@ -138,6 +141,9 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
         composed = compose_logprobs(lp_b, lp_e, weights=model.weights)
         nll.update(composed, targets)
         proj.update(composed, lp_b, lp_e, targets, masks)
+        in_a_mask = masks.any(1)
+        margins["on_mask"].update(composed, targets, in_a_mask)
+        margins["off_mask"].update(composed, targets, ~in_a_mask)
         if overlap is not None:
             overlap.update(lp_e, lp_b, targets)
         for i in range(k):
@@ -150,6 +156,9 @@ def evaluate_composition(model: ComposedLM, tokenizer, dataset, rule_sets: Seque
                 max_ratio[i] = max(max_ratio[i], ratio[off_pos].abs().max().item())
     results["nll"] = float(nll.compute())
     results["projectivity_error"] = float(proj.compute())
+    for region, metric in margins.items():
+        for key, value in metric.compute().items():
+            results[f"margin_{region}_{key}"] = float(value)
     for i, name in enumerate(names):
         results[f"{name}/off_mask_kl"] = float(off[i].compute())
         results[f"{name}/on_mask_kl"] = float(on[i].compute())

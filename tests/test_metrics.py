@@ -12,6 +12,7 @@ from compose.metrics import (
     ProjectivityError,
     SequenceNLL,
     SkillAccuracy,
+    TargetMargin,
     classify_failure,
 )
 from losses import divergence
@@ -195,6 +196,38 @@ def test_sequence_nll_sums_over_positions_and_averages_over_sequences():
     assert _f(metric.compute()) == pytest.approx((2 * row0 + row1) / 3, rel=1e-6)
     metric.reset()
     assert _f(metric.compute()) == 0.0
+
+
+# ---- TargetMargin ------------------------------------------------------------------------------
+
+
+def test_target_margin_by_hand_per_region_accumulates_and_resets():
+    logits, _ = _logits(7)
+    lp = logits.log_softmax(-1)
+
+    def margin(b, t):
+        target = int(TARGETS[b, t])
+        rival = max(_f(lp[b, t, v]) for v in range(V) if v != target)
+        return _f(lp[b, t, target]) - rival
+
+    for positions, region in ((MASK, ON), (~MASK, OFF), (None, ON + OFF)):
+        metric = TargetMargin(thresholds=(0.0, 1.5))
+        metric.update(lp, TARGETS, positions)
+        out = metric.compute()
+        by_hand = [margin(b, t) for b, t in region]
+        assert _f(out["min"]) == pytest.approx(min(by_hand), abs=1e-5)
+        assert _f(out["below_0"]) == pytest.approx(sum(m < 0 for m in by_hand) / len(by_hand))
+        assert _f(out["below_1.5"]) == pytest.approx(sum(m < 1.5 for m in by_hand) / len(by_hand))
+    # a position whose target is the argmax by 3 nats
+    sure = torch.full((1, 2, V), -10.0)
+    sure[0, 0, 1], sure[0, 0, 2] = 0.0, -3.0
+    metric = TargetMargin(thresholds=(0.0, 1.5))
+    metric.update(sure, torch.tensor([[1, -100]]))
+    assert _f(metric.compute()["min"]) == pytest.approx(3.0) and _f(metric.compute()["below_1.5"]) == 0.0
+    metric.update(lp, TARGETS)  # accumulates: the minimum and the fractions over both updates
+    assert _f(metric.compute()["min"]) == pytest.approx(min(margin(b, t) for b, t in ON + OFF), abs=1e-5)
+    metric.reset()
+    assert _f(metric.compute()["min"]) == 0.0 and _f(metric.compute()["below_0"]) == 0.0
 
 
 # ---- Projectivity -----------------------------------------------------------------------------
