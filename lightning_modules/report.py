@@ -285,12 +285,24 @@ def plot_divergence_heatmap(divergence_map: dict, path: str | Path, max_experts:
 # ----------------------------------------------------------------------------------------------- report.md
 
 
+def _margin_label(key: str) -> str:
+    """`margin_on_mask_below_2` -> "target margin on the masks: fraction below 2 nats" (other keys unchanged)."""
+    for region, where in (("on_mask", "on the masks"), ("off_mask", "off the masks")):
+        prefix = f"margin_{region}_"
+        if key.startswith(prefix):
+            stat = key[len(prefix):]
+            stat = "smallest (nats)" if stat == "min" else f"fraction below {stat.removeprefix('below_')} nats"
+            return f"composed target margin {where}: {stat}"
+    return key
+
+
 def _composition_section(c: dict) -> list[str]:
     lines = ["## Composition", ""]
     facts = [("compositional test inputs (n_test)", c.get("n_test")), ("experts composed (k)", c.get("k")),
              ("exact match", c.get("exact_match")), ("NLL per token", c.get("nll")),
              ("projectivity error", c.get("projectivity_error"))]
-    facts += [(k, v) for k, v in c.items() if k not in _KNOWN_COMPOSITION_KEYS and isinstance(v, (int, float))]
+    facts += [(_margin_label(k), v) for k, v in c.items()
+              if k not in _KNOWN_COMPOSITION_KEYS and isinstance(v, (int, float))]
     lines += [f"- {name}: {_fmt(v)}" for name, v in facts if v is not None]
     lines.append("")
     failures = c.get("failures") or {}

@@ -30,7 +30,7 @@ def _summary() -> dict:
         },
         "composition": {"exact_match": 0.962, "k": 2, "n_test": 1000, "nll": 0.0261, "projectivity_error": 0.0071,
                         "failures": FAILURES, "overlap": {"A_to_B__C_to_D": 0.0664},
-                        "active_set_accuracy": 0.9912},
+                        "active_set_accuracy": 0.9912, "margin_on_mask_min": -0.5, "margin_off_mask_below_2": 0.0031},
         "baselines": {"task_arithmetic": {"exact_match": 0.93, "max_logprob_gap_vs_composed": 1.2345},
                       "ties": {"exact_match": 0.5}, "dare": {"exact_match": 0.4}},
         "ablations": {
@@ -82,7 +82,9 @@ def test_write_report_full(tmp_path):
     assert "**composition (k=2, n=1000)**" in text and "**0.9620**" in text
     # composition details, including an extra scalar the stages may add
     for s in ("NLL per token: 0.0261", "projectivity error: 0.0071", "active_set_accuracy: 0.9912",
-              "| rule_not_applied | 0.0300 |", "| A_to_B × C_to_D | 0.0664 |"):
+              "| rule_not_applied | 0.0300 |", "| A_to_B × C_to_D | 0.0664 |",
+              "composed target margin on the masks: smallest (nats): -0.5000",
+              "composed target margin off the masks: fraction below 2 nats: 0.0031"):
         assert s in text, s
     # baselines: Δ = 0.93 - 0.962
     assert "| task arithmetic | 0.9300 | -0.0320 | 1.2345 |" in text
