@@ -40,6 +40,9 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
 class ExpertLM(pl.LightningModule):
     """Fine-tunes one or more experts against a frozen background.
 
+    Training loss: `NLL(task_targets(batch)) + reg_weight · off_mask_divergence`. The NLL scores every target
+    of a task row and the expert's own mask of compositional rows (`task_targets`).
+
     Args:
         background: the background HF causal LM (frozen; LoRA adapters are attached to it).
         names: the experts trained here; a batch's `expert_index` indexes this list.
@@ -49,8 +52,6 @@ class ExpertLM(pl.LightningModule):
         reg_weight: λ of the regularizer; 0 is plain fine-tuning.
         divergence, jsd_beta, temperature: the divergence `D` (see `losses.divergence`).
         task_loss_on_mask_only: score the task NLL on mask positions only.
-            The training loss is `NLL(task_targets(batch)) + reg_weight · off_mask_divergence`: the NLL scores
-            every target of a task row and the expert's own mask of compositional rows (`task_targets`).
         frozen_adapters: {name: adapter folder} of experts trained earlier, loaded (not trained) so
             they join the composition evaluated in validation.
         weights: composition weight per expert name (default 1).
@@ -237,9 +238,7 @@ def task_targets(batch: dict[str, Tensor], on_mask_only: bool = False) -> Tensor
     the targets on the expert's own mask of rows marked ``task_on_mask`` (compositional regularizer rows,
     whose targets there are the expert's own rule's). ``on_mask_only``: the own mask only, in every row."""
     targets, own_mask = batch["targets"], batch["masks"][:, 0]
-    scored = batch["is_task"].bool().unsqueeze(1).expand_as(own_mask)
-    if "task_on_mask" in batch:
-        scored = scored | (batch["task_on_mask"].bool().unsqueeze(1) & own_mask)
+    scored = batch["is_task"].bool().unsqueeze(1) | (batch["task_on_mask"].bool().unsqueeze(1) & own_mask)
     if on_mask_only:
         scored = scored & own_mask
     return targets.where(scored, IGNORE_INDEX)
