@@ -8,8 +8,10 @@ per expert (128 rows a step), inputs of 8–16 letters with prefix corruption 0.
   backward + AdamW step. ``log_every_n_steps`` is set huge, so the background logits that the λ=0 path
   computes for logging (every ``log_every_n_steps`` steps) are never computed on a timed step; the
   script counts background forwards on timed steps and prints the count.
-* ``regularized`` — ``reg_weight=1``, forward KL on the expert's own batches: adds one no-grad
-  background forward (peft ``disable_adapter()``; the frozen copy in full fine-tuning).
+* ``regularized`` — the default recipe's regularizer (``expert.reg_weight``, ``divergence``,
+  ``temperature`` and ``reg_data`` of ``configs/default.yaml``): adds one no-grad background forward
+  (peft ``disable_adapter()``; the frozen copy in full fine-tuning). Every row of the table trains on the
+  same batches, built with the recipe's ``reg_data``.
 * ``cached bg`` — the same loss (task NLL + λ·``losses.off_mask_divergence``) with the background
   logits of each batch computed *before* the timed region. The framework has no such cache option:
   this row is the bound a cache would give.
@@ -237,7 +239,7 @@ def main() -> None:
 
     cfg, dm, experts, batches = build(args)
     modes = ["lora"] if args.no_full else ["lora", "full"]
-    kinds = {"plain": 0.0, "regularized": 1.0, "cached bg": 1.0}
+    kinds = {"plain": 0.0, "regularized": cfg.expert.reg_weight, "cached bg": cfg.expert.reg_weight}
     modules = {}
     for mode in modes:
         for kind, lam in kinds.items():
@@ -295,7 +297,9 @@ def main() -> None:
         f"(load average {load_start:.2f} at start, {load_ready:.2f} when timing began, {load_end:.2f} at end), "
         f"{platform.machine()}; batch {len(batches[0]['input_ids'])} rows × {batches[0]['input_ids'].shape[1]} "
         f"tokens (first batch, {n_tokens} positions); LoRA r={cfg.expert.lora.r} on "
-        f"{len(cfg.expert.lora.target_modules)} linear layers per block; median of {args.steps} steps after "
+        f"{len(cfg.expert.lora.target_modules)} linear layers per block; regularizer λ={cfg.expert.reg_weight:g} · "
+        f"{cfg.expert.divergence} at T={cfg.expert.temperature:g}, reg_data={cfg.expert.reg_data}; "
+        f"median of {args.steps} steps after "
         f"{args.warmup} warm-up, median of {args.reps} interleaved reps; background "
         f"{args.background or 'untrained (random init)'}; composed exact match at the last eval "
         f"{comp_results['exact_match']:.3f}; total {time.perf_counter() - t0:.0f} s "
