@@ -346,6 +346,29 @@ class TargetMargin(Metric):
         return out
 
 
+def margin_decomposition(background_logprobs: Tensor, experts_logprobs: Tensor, targets: Tensor, rivals: Tensor,
+                         masks: Tensor) -> dict[str, Tensor]:
+    """Split the composed margin of ``target`` over ``rival`` at each position held by exactly one mask.
+
+    With unit weights the composed log-odds of the two tokens is ``d_b + Σ_j (d_j − d_b)`` where ``d = lp[target]
+    − lp[rival]``; at a position held by expert ``i`` that is ``owner + others`` with ``owner = d_i`` (the
+    expert alone) and ``others = Σ_{j≠i} (d_j − d_b)`` (what the rest shift it by, zero for experts exactly on
+    the background). Inputs: log-probs ``[B, T, V]`` and ``[k, B, T, V]``, token ids ``targets`` and
+    ``rivals`` ``[B, T]`` (e.g. the rule's letter and the copied source), ``masks [B, k, T]``. Returns 1-D
+    tensors ``owner``, ``others`` and ``background`` (``d_b``) over those positions, in row-major order.
+    """
+    held = masks.to(dtype=torch.bool).transpose(0, 1) & (targets != IGNORE_INDEX)  # [k, B, T]
+    one_owner = held.sum(0) == 1
+    t, r = targets.clamp_min(0).unsqueeze(-1), rivals.clamp_min(0).unsqueeze(-1)
+    d_b = (background_logprobs.gather(-1, t) - background_logprobs.gather(-1, r)).squeeze(-1)  # [B, T]
+    k = experts_logprobs.shape[0]
+    d_e = (experts_logprobs.gather(-1, t.expand(k, *t.shape)) - experts_logprobs.gather(-1, r.expand(k, *r.shape))
+           ).squeeze(-1)  # [k, B, T]
+    owner = (d_e * held).sum(0)
+    others = (d_e - d_b).sum(0) - (owner - d_b)
+    return {"owner": owner[one_owner], "others": others[one_owner], "background": d_b[one_owner]}
+
+
 FAILURE_TYPES = ("correct", "rule_not_applied", "wrong_letter_elsewhere", "length_or_eos")
 
 

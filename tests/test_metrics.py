@@ -14,6 +14,7 @@ from compose.metrics import (
     SkillAccuracy,
     TargetMargin,
     classify_failure,
+    margin_decomposition,
 )
 from losses import divergence
 
@@ -228,6 +229,26 @@ def test_target_margin_by_hand_per_region_accumulates_and_resets():
     assert _f(metric.compute()["min"]) == pytest.approx(min(margin(b, t) for b, t in ON + OFF), abs=1e-5)
     metric.reset()
     assert _f(metric.compute()["min"]) == 0.0 and _f(metric.compute()["below_0"]) == 0.0
+
+
+def test_margin_decomposition_adds_up_to_the_composed_log_odds_and_matches_by_hand():
+    g = torch.Generator().manual_seed(8)
+    bg, experts = torch.randn(2, 5, V, generator=g).log_softmax(-1), torch.randn(3, 2, 5, V, generator=g).log_softmax(-1)
+    rivals = (TARGETS.clamp_min(0) + 1) % V
+    masks = torch.zeros(2, 3, 5, dtype=torch.bool)
+    masks[0, 1, 2] = masks[1, 0, 0] = True
+    masks[1, 0, 1] = masks[1, 2, 1] = True  # two holders: left out
+    masks[1, 2, 3] = True  # padding (no target): left out
+    out = margin_decomposition(bg, experts, TARGETS, rivals, masks)
+    composed = compose_logprobs(bg, experts)
+    d = lambda lp, b, t: _f(lp[b, t, TARGETS[b, t]] - lp[b, t, rivals[b, t]])  # noqa: E731
+    for n, (b, t, i) in enumerate([(0, 2, 1), (1, 0, 0)]):  # row-major order
+        assert _f(out["owner"][n]) == pytest.approx(d(experts[i], b, t), abs=1e-5)
+        others = sum(d(experts[j], b, t) - d(bg, b, t) for j in range(3) if j != i)
+        assert _f(out["others"][n]) == pytest.approx(others, abs=1e-5)
+        assert _f(out["background"][n]) == pytest.approx(d(bg, b, t), abs=1e-5)
+        assert _f(out["owner"][n] + out["others"][n]) == pytest.approx(d(composed, b, t), abs=1e-4)
+    assert out["owner"].shape == (2,)
 
 
 # ---- Projectivity -----------------------------------------------------------------------------
