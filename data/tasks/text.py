@@ -1,0 +1,646 @@
+"""The text task (`task.name: text`): experts own skill intervals in the responses of your own data.
+
+Rows come from files (JSONL/JSON/Parquet/CSV, or a hub dataset where there is network) holding either a
+`prompt` and a `response` field, or a chat `messages` list. Each expert trains on its own files
+(`experts[i].data`) and owns the text inside its interval (`experts[i].interval`, see
+`data.intervals`): e.g. `<<48/2=24>>` for a calculator, `[CAT]` for shouting. `task.general` holds rows
+that need no skill (background training and evaluation, regularizer rows); `task.compositional` holds
+rows that need several skills at once (the composition's validation and test halves).
+
+Row layout (the columns of `data.tasks.base`): `input_ids = prompt_ids + response_ids + [eos]`;
+`targets` score the response and the EOS (`-100` on the prompt); each expert's mask row is
+`token_interval_mask(response, offsets, spec)` placed at the target positions predicting the response
+tokens (the EOS target is in no mask); `output_start`/`output_len` span the response tokens.
+
+The prompt and the response are tokenized separately (the response with `add_special_tokens=False` and
+offsets relative to it), so a token never merges across the prompt/response boundary; at inference the
+composed model is prompted with exactly those prompt ids, so training and decoding agree. A prompt
+always starts with the tokenizer's BOS token when it has one (added unless the text already starts with
+it, e.g. through a chat template).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from torch import LongTensor, Tensor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from compose.metrics import ExactMatch
+from data.collate import Collator
+from data.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
+from data.splits import derive_seed
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
+
+IGNORE = -100
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+ROW_FEATURES = {
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "targets": datasets.List(datasets.Value("int32")),
+    "masks": datasets.List(datasets.List(datasets.Value("int8"))),
+    "output_start": datasets.Value("int32"),
+    "output_len": datasets.Value("int32"),
+    "x": datasets.Value("string"),
+    "y": datasets.Value("string"),
+}
+EXPERT_FEATURES = {key: datasets.Value("int32") for key in ("expert_index", "is_task", "task_on_mask")}
+
+
+@dataclass
+class TextConfig:
+    """Settings of the text task (the `task:` config node with `name: text`).
+
+    Attributes:
+        tokenizer: a local Hugging Face tokenizer folder or a hub name; the pipeline's tokenizer (a
+            pretrained model's) wins when it passes one. Must be a fast tokenizer (offset mapping).
+        general: files of rows that need no skill: the background's training and held-out rows, and the
+            experts' regularizer rows when `expert.reg_data` is `background` or `own+background`.
+        compositional: files of rows that need several skills at once; shuffled with the run's seed and
+            split in halves, the first (larger) half for validation, the other for test.
+        holdout: rows of each expert's files, and of the general files, kept out of training for
+            validation and test (halved between them, validation gets the odd one): a fraction if < 1,
+            else a count; at least 2.
+        prompt_field, response_field: the fields of prompt/response rows.
+        messages_field: the field of chat rows: a list of `{"role", "content"}`; the prompt is every message
+            before the last assistant message (rendered with the tokenizer's chat template,
+            `add_generation_prompt=True`), the response is that message's content.
+        chat_template: None: a file whose rows have `messages_field` is read as chat rows, otherwise as
+            prompt/response rows; True/False: always/never chat rows.
+        max_length: rows longer than this many tokens (prompt + response + EOS) are dropped (counted in
+            `notes`).
+        max_new_tokens: greedy decoding budget at evaluation; a prediction that has not emitted EOS by then
+            counts as wrong.
+        limit: at most this many rows per split of each source (each expert, general, compositional).
+        trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
+    """
+
+    tokenizer: str | None = None
+    general: list[str] = field(default_factory=list)
+    compositional: list[str] = field(default_factory=list)
+    holdout: float = 0.2
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    chat_template: bool | None = None
+    max_length: int = 1024
+    max_new_tokens: int = 256
+    limit: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.holdout <= 0 or (self.holdout >= 1 and self.holdout != int(self.holdout)):
+            raise TaskError(f"task.holdout must be a fraction in (0, 1) or a whole count >= 1, got {self.holdout}")
+        for key in ("max_length", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise TaskError(f"task.{key} must be >= 1, got {getattr(self, key)}")
+        if self.limit is not None and self.limit < 1:
+            raise TaskError(f"task.limit must be None or >= 1, got {self.limit}")
+        for key in ("general", "compositional"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                setattr(self, key, [value])
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt/response pair read from a file; `where` names it in errors ("FILE row N")."""
+
+    prompt: str
+    response: str
+    where: str
+
+
+@dataclass
+class Encoded:
+    """An example tokenized: prompt ids (BOS first where the tokenizer has one), response ids, the
+    response tokens' character offsets (relative to the response) and special-token flags."""
+
+    example: Example
+    prompt_ids: list[int]
+    response_ids: list[int]
+    offsets: list[tuple[int, int]]
+    special: list[int]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids) + 1
+
+
+# --- reading files ---------------------------------------------------------------------------------
+def load_table(path: str) -> datasets.Dataset:
+    """A data file as a `datasets.Dataset` (builder chosen by suffix), or a hub dataset `name[:split]`."""
+    p = Path(path)
+    builder = BUILDERS.get(p.suffix.lower())
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        if builder is not None:
+            if not p.is_file():
+                raise TaskError(f"{path}: data file not found")
+            if p.stat().st_size == 0:
+                raise TaskError(f"{path}: data file is empty")
+            table = datasets.load_dataset(builder, data_files=str(p), split="train")
+        elif p.exists():
+            raise TaskError(f"{path}: unknown data file type (use {', '.join(BUILDERS)})")
+        else:
+            name, _, split = path.partition(":")
+            table = datasets.load_dataset(name, split=split or "train")
+    except TaskError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any reader error becomes one line naming the file
+        raise TaskError(f"{path}: cannot read it: {_first_line(err)}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise TaskError(f"{path}: data file is empty (no rows)")
+    return table
+
+
+def read_examples(path: str, cfg: TextConfig, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+    """Every row of `path` as an `Example` (chat rows rendered with the tokenizer's chat template)."""
+    table = load_table(path)
+    columns = list(table.column_names)
+    if _is_chat(cfg, columns):
+        if cfg.messages_field not in columns:
+            raise TaskError(f"{path}: task.chat_template=true but the rows lack the field "
+                            f"{cfg.messages_field!r} (they have {columns})")
+        if not getattr(tokenizer, "chat_template", None):
+            raise TaskError(f"{path}: rows are chat messages but the tokenizer has no chat template "
+                            f"(set task.chat_template=false and give {cfg.prompt_field!r}/{cfg.response_field!r})")
+        return [Example(*render_messages(m, tokenizer, f"{path} row {n}"), f"{path} row {n}")
+                for n, m in enumerate(table[cfg.messages_field], 1)]
+    missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
+    if missing:
+        raise TaskError(f"{path}: rows lack the field(s) {missing} (they have {columns}; set task.prompt_field/"
+                        f"task.response_field, or give a {cfg.messages_field!r} list)")
+    out = []
+    for n, (prompt, response) in enumerate(zip(table[cfg.prompt_field], table[cfg.response_field], strict=True), 1):
+        for key, value in ((cfg.prompt_field, prompt), (cfg.response_field, response)):
+            if not isinstance(value, str):
+                raise TaskError(f"{path} row {n}: field {key!r} is not text: {value!r}")
+        out.append(Example(prompt, response, f"{path} row {n}"))
+    return out
+
+
+def _is_chat(cfg: TextConfig, columns: Sequence[str]) -> bool:
+    return cfg.messages_field in columns if cfg.chat_template is None else bool(cfg.chat_template)
+
+
+def render_messages(messages: Any, tokenizer: PreTrainedTokenizerBase, where: str) -> tuple[str, str]:
+    """`(prompt, response)` of a chat row: the messages before the last assistant message, rendered with
+    `add_generation_prompt=True`, and that message's content."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise TaskError(f"{where}: messages must be a list of {{role, content}} objects, got {messages!r:.80}")
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        raise TaskError(f"{where}: messages have no assistant message (the response)")
+    response = messages[last].get("content")
+    if not isinstance(response, str):
+        raise TaskError(f"{where}: the last assistant message's content is not text: {response!r:.80}")
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - template errors are the row's
+        raise TaskError(f"{where}: the chat template failed: {_first_line(err)}") from None
+    return prompt, response
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
+
+
+# --- tokenizing and rows ---------------------------------------------------------------------------
+def resolve_tokenizer(cfg: TextConfig, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedTokenizerBase:
+    """The given tokenizer, else `cfg.tokenizer` loaded; must be fast (offsets) and have an EOS token."""
+    if tokenizer is None:
+        if not cfg.tokenizer:
+            raise TaskError("task.tokenizer is not set (a local tokenizer folder or a hub name) and the "
+                            "pipeline passed none")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code)
+        except Exception as err:  # noqa: BLE001
+            raise TaskError(f"task.tokenizer={cfg.tokenizer!r}: cannot load it: {_first_line(err)}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise TaskError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: the text task needs "
+                        "offset mappings (use a tokenizer.json / PreTrainedTokenizerFast)")
+    if tokenizer.eos_token_id is None:
+        raise TaskError(f"tokenizer {type(tokenizer).__name__} has no EOS token (every response ends with it)")
+    return tokenizer
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Prompt ids: `text` without added special tokens, BOS first when the tokenizer has one."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> list[Encoded]:
+    """Tokenize prompts and responses (responses in one batch, offsets relative to each response)."""
+    if not examples:
+        return []
+    enc = tokenizer([e.response for e in examples], add_special_tokens=False, return_offsets_mapping=True,
+                    return_special_tokens_mask=True)
+    out = []
+    for i, e in enumerate(examples):
+        prompt_ids = encode_prompt(tokenizer, e.prompt)
+        if not prompt_ids:
+            raise TaskError(f"{e.where}: empty prompt and the tokenizer has no BOS token: nothing predicts the "
+                            "response's first token")
+        out.append(Encoded(e, prompt_ids, list(enc["input_ids"][i]),
+                           [tuple(o) for o in enc["offset_mapping"][i]], list(enc["special_tokens_mask"][i])))
+    return out
+
+
+def response_mask(enc: Encoded, spec: IntervalSpec) -> list[int]:
+    """The expert's mask of one row over the `targets` positions (1 where it predicts a token inside)."""
+    try:
+        inside = token_interval_mask(enc.example.response, enc.offsets, spec, enc.special)
+    except ValueError as err:
+        raise TaskError(f"{enc.example.where}: the tokenizer's offsets do not fit the interval masks: {err}") from None
+    p = len(enc.prompt_ids)
+    return [0] * (p - 1) + inside + [0, 0]
+
+
+def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: int) -> dict[str, Any]:
+    """One row (columns of `data.tasks.base`) with one mask per spec."""
+    p, response = len(enc.prompt_ids), enc.response_ids
+    return {
+        "input_ids": enc.prompt_ids + response + [eos],
+        "targets": [IGNORE] * (p - 1) + response + [eos, IGNORE],
+        "masks": [response_mask(enc, spec) for spec in specs],
+        "output_start": p,
+        "output_len": len(response),
+        "x": enc.example.prompt,
+        "y": enc.example.response,
+        **extra,
+    }
+
+
+def rows_to_dataset(rows: Sequence[dict[str, Any]], expert_columns: bool = False) -> datasets.Dataset:
+    """Rows as a `datasets.Dataset` with fixed column types (also when there are none)."""
+    features = datasets.Features({**ROW_FEATURES, **(EXPERT_FEATURES if expert_columns else {})})
+    return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in features}, features=features)
+
+
+# --- evaluation helpers ----------------------------------------------------------------------------
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[LongTensor, LongTensor]:
+    """Prompt ids LEFT-padded with `pad_id`: `(input_ids, attention_mask)`, both `[B, max len]`."""
+    if not prompts:
+        raise ValueError("left_padded got no prompts")
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, ids in enumerate(prompts):
+        if ids:
+            input_ids[b, width - len(ids):] = torch.as_tensor(list(ids), dtype=torch.long)
+            attention_mask[b, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def decode_until_eos(tokenizer: PreTrainedTokenizerBase, generated: Tensor, prompt_len: int,
+                     eos: int) -> list[tuple[str, bool]]:
+    """`(text, ended_with_eos)` per row of `generated` `[B, prompt_len + n]`: the tokens after the prompt up
+    to the first EOS (exclusive), decoded with special tokens kept (a stray `<pad>` never matches text)."""
+    out = []
+    for row in generated[:, prompt_len:].tolist():
+        ended = eos in row
+        ids = row[: row.index(eos)] if ended else row
+        out.append((tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False), ended))
+    return out
+
+
+def normalize_whitespace(text: str) -> str:
+    """Runs of whitespace collapsed to one space, ends stripped."""
+    return " ".join(text.split())
+
+
+def exact_match(preds: Sequence[str], refs: Sequence[str], ended: Sequence[bool]) -> float:
+    """Fraction of predictions that ended with EOS and equal their reference after `normalize_whitespace`."""
+    metric = ExactMatch()
+    metric.update([normalize_whitespace(p) for p in preds], [normalize_whitespace(r) for r in refs], ended)
+    return float(metric.compute())
+
+
+def interval_texts(text: str, spec: IntervalSpec) -> list[str]:
+    """The text inside each interval of `text` (content plus end delimiter; an interval still open at the
+    end runs to the end), whitespace-normalized."""
+    return [normalize_whitespace(text[a:b]) for a, b in interval_char_spans(text, spec)]
+
+
+def skill_counts(preds: Sequence[str], refs: Sequence[str], spec: IntervalSpec) -> tuple[int, int]:
+    """`(correct, total)` over the reference intervals of `spec`: the i-th interval of a reference is correct
+    iff the prediction has an i-th interval with the same text (matched by order of occurrence)."""
+    correct = total = 0
+    for pred, ref in zip(preds, refs, strict=True):
+        wanted, got = interval_texts(ref, spec), interval_texts(pred, spec)
+        total += len(wanted)
+        correct += sum(i < len(got) and got[i] == w for i, w in enumerate(wanted))
+    return correct, total
+
+
+# --- the task --------------------------------------------------------------------------------------
+class TextTask(Task):
+    """Experts own skill intervals (`experts[i].interval`) in the responses of text rows.
+
+    Splits (all seeded with the run's seed and the source's name, so adding an expert leaves the
+    others' splits unchanged): each expert's rows and the general rows lose `task.holdout` rows to
+    validation/test (halved); the compositional rows are halved into validation and test.
+    Regularizer rows (`reg_data` `background` or `own+background`): as many general training rows as
+    the expert has training rows (drawn without replacement, cycling if general has fewer), with
+    `is_task=0`, `task_on_mask=0` and the expert's own mask (all zero on rows without its interval).
+    `reg_data=composition` needs co-training on composed rows, which this task does not make.
+    """
+
+    name = "text"
+    config_class = TextConfig
+
+    def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(cfg, experts, tokenizer=tokenizer, **kwargs)
+        if self.reg_data == "composition":
+            raise TaskError("expert.reg_data=composition needs rows composed from every expert's skill (co-training);"
+                            " the text task has none: use own, background or own+background")
+        for key in ("general", "compositional"):
+            if not getattr(cfg, key):
+                raise TaskError(f"task.{key} is empty: give at least one data file")
+        self._notes: list[str] = []
+        self._tokenizer = resolve_tokenizer(cfg, tokenizer)
+        if tokenizer is not None and cfg.tokenizer:
+            self._notes.append(f"task.tokenizer={cfg.tokenizer!r} was not used: the pipeline passed a tokenizer")
+        self.eos = int(self._tokenizer.eos_token_id)
+        pad = self._tokenizer.pad_token_id
+        self.pad = self.eos if pad is None else int(pad)
+        self.specs = [_parse_spec(i, e) for i, e in enumerate(self.experts)]
+        self._datasets: dict[tuple[str, str], datasets.Dataset] = {}
+        self._load_and_check()
+
+    # --- construction ------------------------------------------------------------------------------
+    def _read(self, paths: Sequence[str]) -> list[Example]:
+        return [ex for path in paths for ex in read_examples(str(path), self.cfg, self._tokenizer)]
+
+    def _load_and_check(self) -> None:
+        """Read every file, check rows and specs, split and tokenize (everything before training)."""
+        general = self._read(self.cfg.general)
+        compositional = self._read(self.cfg.compositional)
+        own: dict[str, list[Example]] = {}
+        for i, e in enumerate(self.experts):
+            if not e.data and e.name in self.trained:
+                raise TaskError(f"experts[{i}] ({e.name}).data is empty: a trained expert needs its data files")
+            if e.data:
+                own[e.name] = self._read(e.data)
+                self._check_expert_rows(i, own[e.name])
+        self._check_general(general)
+        self._check_compositional(compositional)
+        self.general = self._split_encode("general", general, holdout=True)
+        self.compositional = self._split_encode("compositional", compositional, holdout=False)
+        self.own = {name: self._split_encode(f"expert {name!r}", rows, holdout=True) for name, rows in own.items()}
+        self._check_overlaps()
+        self._check_budget()
+
+    def _check_expert_rows(self, i: int, examples: Sequence[Example]) -> None:
+        """Every row balances the expert's interval, and some row holds one."""
+        e, spec = self.experts[i], self.specs[i]
+        for ex in examples:
+            _check_row_balanced(ex, spec, e.name)
+        texts = [ex.response for ex in examples]
+        # Rows balance, so an interval that opens also closes: checking the start covers the end.
+        found = any(re.search(spec.start, t) for t in texts) if spec.regex else any(spec.start in t for t in texts)
+        if not found:
+            raise TaskError(f"experts[{i}] ({e.name}).interval.start={spec.start!r} never occurs in the responses "
+                            f"of its training rows ({', '.join(map(str, e.data))})")
+
+    def _check_general(self, examples: Sequence[Example]) -> None:
+        """General rows balance every interval (regularizer rows carry the masks); count those that hold one."""
+        for name, spec in zip(self.expert_names, self.specs, strict=True):
+            n = 0
+            for ex in examples:
+                _check_row_balanced(ex, spec, name)
+                n += bool(interval_char_spans(ex.response, spec))
+            if n:
+                self._notes.append(f"{n} of {len(examples)} general rows hold an interval of expert {name!r} "
+                                   "(the background learns it there)")
+
+    def _check_compositional(self, examples: Sequence[Example]) -> None:
+        """Compositional rows balance every interval and each holds an interval of some expert."""
+        counts = [0] * len(self.specs)
+        for ex in examples:
+            found = False
+            for j, (name, spec) in enumerate(zip(self.expert_names, self.specs, strict=True)):
+                _check_row_balanced(ex, spec, name)
+                if interval_char_spans(ex.response, spec):
+                    counts[j] += 1
+                    found = True
+            if not found:
+                raise TaskError(f"{ex.where}: compositional row holds no interval of any expert "
+                                f"({', '.join(self.expert_names)})")
+        for name, n in zip(self.expert_names, counts, strict=True):
+            if n < len(examples):
+                self._notes.append(f"expert {name!r} has an interval in {n} of {len(examples)} compositional rows")
+
+    def _split_encode(self, source: str, examples: Sequence[Example], holdout: bool) -> dict[str, list[Encoded]]:
+        """Seeded split of `examples` (train/val/test, or val/test), `limit`ed, tokenized, too long dropped."""
+        order = list(range(len(examples)))
+        _shuffle(order, derive_seed(self.seed, "text", source))
+        if holdout:
+            n_hold = self._n_holdout(source, len(order))
+            held, parts = order[:n_hold], {"train": order[n_hold:]}
+        else:
+            held, parts = order, {}
+            if len(held) < 2:
+                raise TaskError(f"task.compositional has {len(held)} row(s); need >= 2 (val and test halves)")
+        half = (len(held) + 1) // 2
+        parts |= {"val": held[:half], "test": held[half:]}
+        out = {}
+        for split, idx in parts.items():
+            if self.cfg.limit is not None:
+                idx = idx[: self.cfg.limit]
+            encoded = encode_examples(self._tokenizer, [examples[i] for i in idx])
+            kept = [enc for enc in encoded if len(enc) <= self.cfg.max_length]
+            if len(kept) < len(encoded):
+                self._notes.append(f"{source} {split}: dropped {len(encoded) - len(kept)} of {len(encoded)} rows "
+                                   f"longer than task.max_length={self.cfg.max_length} tokens")
+            if not kept:
+                raise TaskError(f"{source}: no {split} row left (task.max_length={self.cfg.max_length}, "
+                                f"task.holdout={self.cfg.holdout})")
+            out[split] = kept
+        return out
+
+    def _n_holdout(self, source: str, n: int) -> int:
+        h = self.cfg.holdout
+        n_hold = round(h * n) if h < 1 else int(h)
+        n_hold = max(n_hold, 2)
+        if n_hold >= n:
+            raise TaskError(f"{source}: {n} rows cannot give task.holdout={h} (>= 2) held-out rows and keep "
+                            "training rows")
+        return n_hold
+
+    def _check_overlaps(self) -> None:
+        """Two experts' masks must not share a position of a compositional row (unless allow_overlap)."""
+        k = len(self.specs)
+        for split, encoded in self.compositional.items():
+            for enc in encoded:
+                masks = [response_mask(enc, spec) for spec in self.specs]
+                for a in range(k):
+                    for b in range(a + 1, k):
+                        if any(x and y for x, y in zip(masks[a], masks[b], strict=True)):
+                            pair = f"experts {self.expert_names[a]!r} and {self.expert_names[b]!r}"
+                            if not self.allow_overlap:
+                                raise TaskError(f"{enc.example.where}: the intervals of {pair} overlap (set "
+                                                "allow_overlap to accept it)")
+                            self._notes.append(f"the intervals of {pair} overlap on compositional rows ({split})")
+                            return
+
+    def _check_budget(self) -> None:
+        longest = max((len(enc.response_ids) + 1 for part in self._eval_parts() for enc in part), default=0)
+        if longest > self.cfg.max_new_tokens:
+            self._notes.append(f"task.max_new_tokens={self.cfg.max_new_tokens} is below the longest held-out "
+                               f"response ({longest} tokens with EOS): those rows cannot match")
+
+    def _eval_parts(self) -> list[list[Encoded]]:
+        sources = [self.general, self.compositional, *self.own.values()]
+        return [source[split] for source in sources for split in EVAL_SPLITS]
+
+    # --- what the pipeline reads -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._notes)
+
+    @property
+    def corruption_ids(self) -> list[int]:
+        """Every non-special token id (what prefix corruption writes)."""
+        special = set(self._tokenizer.all_special_ids)
+        return sorted(i for i in self._tokenizer.get_vocab().values() if i not in special)
+
+    def collator(self, corruption_prob: float = 0.0) -> Collator:
+        return Collator(self.pad, self.corruption_ids, corruption_prob)
+
+    def background_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, SPLITS)
+        return self._cached(("background", split),
+                            lambda: rows_to_dataset([make_row(enc, [], self.eos) for enc in self.general[split]]))
+
+    def expert_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, SPLITS)
+        return self._cached(("experts", split), lambda: rows_to_dataset(self._expert_rows(split), expert_columns=True))
+
+    def _expert_rows(self, split: str) -> list[dict[str, Any]]:
+        rows = []
+        for j, name in enumerate(self.trained):
+            spec = self.specs[self.expert_names.index(name)]
+            own = self.own[name][split]
+            rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=1, task_on_mask=1) for enc in own]
+            if split == "train" and self.reg_data in ("background", "own+background"):
+                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=0)
+                         for enc in self._regularizer_examples(name, len(own))]
+        return rows
+
+    def _regularizer_examples(self, name: str, n: int) -> list[Encoded]:
+        pool = self.general["train"]
+        order = list(range(len(pool)))
+        _shuffle(order, derive_seed(self.seed, "text", "regularizer", name))
+        return [pool[order[i % len(order)]] for i in range(n)]
+
+    def compositional_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, EVAL_SPLITS)
+        return self._cached(("compositional", split),
+                            lambda: rows_to_dataset([make_row(enc, self.specs, self.eos)
+                                                     for enc in self.compositional[split]]))
+
+    def _cached(self, key: tuple[str, str], build) -> datasets.Dataset:
+        if key not in self._datasets:
+            self._datasets[key] = build()
+        return self._datasets[key]
+
+    # --- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def greedy_outputs(self, model, prompts: Sequence[Sequence[int]], batch_size: int) -> tuple[list[str], list[bool]]:
+        """Greedy outputs of `model` (a `ComposedLM`) for prompt ids, up to EOS, and whether each ended."""
+        texts, ended = [], []
+        device = getattr(model, "device", torch.device("cpu"))
+        for start in range(0, len(prompts), batch_size):
+            ids, attn = left_padded(prompts[start:start + batch_size], self.pad)
+            out = model.generate(ids.to(device), attn.to(device), max_new_tokens=self.cfg.max_new_tokens,
+                                 do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
+            for text, eos in decode_until_eos(self._tokenizer, out.cpu(), ids.shape[1], self.eos):
+                texts.append(text)
+                ended.append(eos)
+        return texts, ended
+
+    def _decode_rows(self, model, input_ids: Sequence[Sequence[int]], output_start: Sequence[int],
+                     batch_size: int) -> tuple[list[str], list[bool]]:
+        prompts = [list(ids[:s]) for ids, s in zip(input_ids, output_start, strict=True)]
+        return self.greedy_outputs(model, prompts, batch_size)
+
+    def evaluate_background(self, model, split: str, batch_size: int) -> dict[str, float]:
+        """Exact match (whitespace-normalized, ended with EOS) on the held-out general rows."""
+        _check_split(split, EVAL_SPLITS)
+        rows = self.general[split]
+        preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
+        return {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended)}
+
+    def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
+        """Exact match and `skill_accuracy` (its intervals right, by order) on the expert's held-out rows."""
+        _check_split(split, EVAL_SPLITS)
+        if name not in self.own:
+            raise TaskError(f"expert {name!r} has no data files here: nothing to evaluate it on")
+        rows = self.own[name][split]
+        refs = [enc.example.response for enc in rows]
+        preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
+        results = {"exact_match": exact_match(preds, refs, ended)}
+        correct, total = skill_counts(preds, refs, self.specs[self.expert_names.index(name)])
+        if total:
+            results["skill_accuracy"] = correct / total
+        return results
+
+    def evaluate_composition(self, model, dataset: datasets.Dataset, batch_size: int) -> dict[str, float]:
+        """Exact match, `<expert>/skill_accuracy` per expert with an interval in the references (the i-th
+        interval of the reference against the i-th of the prediction), and `failures/no_eos`."""
+        refs = list(dataset["y"])
+        preds, ended = self._decode_rows(model, dataset["input_ids"], dataset["output_start"], batch_size)
+        results = {"exact_match": exact_match(preds, refs, ended)}
+        for name, spec in zip(self.expert_names, self.specs, strict=True):
+            correct, total = skill_counts(preds, refs, spec)
+            if total:
+                results[f"{name}/skill_accuracy"] = correct / total
+        results["failures/no_eos"] = 1.0 - sum(ended) / len(ended) if ended else 0.0
+        return results
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+def _parse_spec(i: int, expert: Expert) -> IntervalSpec:
+    if "interval" not in expert.spec:
+        raise TaskError(f"experts[{i}] ({expert.name}): the text task needs `interval` (start/end delimiters), "
+                        f"got {sorted(expert.spec) or 'none'}")
+    try:
+        return IntervalSpec.from_dict(expert.spec["interval"])
+    except ValueError as err:
+        raise TaskError(f"experts[{i}] ({expert.name}).interval: {err}") from None
+
+
+def _check_row_balanced(ex: Example, spec: IntervalSpec, name: str) -> None:
+    try:
+        check_balanced(ex.response, spec)
+    except ValueError as err:
+        raise TaskError(f"{ex.where}: response does not balance expert {name!r}'s interval: {err}") from None
+
+
+def _shuffle(items: list[int], seed: int) -> None:
+    """In-place seeded shuffle, independent of every global RNG."""
+    random.Random(seed).shuffle(items)
+
+
+def _check_split(split: str, allowed: Sequence[str]) -> None:
+    if split not in allowed:
+        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
