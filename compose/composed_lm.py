@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +33,7 @@ from transformers import (
 from compose.operator import compose_logprobs
 
 BASE_ADAPTER = "__base__"
+COMPOSITIONS = ("soft", "gated")
 Gate = Callable[[Tensor], Any]
 
 
@@ -51,6 +52,10 @@ class ComposedLM(nn.Module):
         min_logprob: floor on the components' log-probs (see ``compose_logprobs``).
         tokenizer: the shared tokenizer, or a sequence of one tokenizer per component (background
             first), in which case all must be identical (same vocabulary and special tokens).
+        specs: one dict per expert (default ``{}``), e.g. ``{"rules": ...}`` or
+            ``{"interval": {"start": "[", "end": "]"}}`` (see ``data.intervals.IntervalSpec``).
+        composition: ``"soft"`` (every expert acts at every step) or ``"gated"`` (:meth:`generate`
+            gates each expert with an ``interval`` spec by its stopping-time detector; needs a tokenizer).
 
     Raises:
         ValueError: a component's vocabulary size or tokenizer differs from the background's (checked
@@ -66,13 +71,15 @@ class ComposedLM(nn.Module):
         names: Sequence[str] | None = None,
         min_logprob: float = -1e4,
         tokenizer=None,
+        specs: Sequence[Mapping[str, Any]] | None = None,
+        composition: str = "soft",
     ) -> None:
         super().__init__()
         experts = list(experts)
         names = [f"expert_{i}" for i in range(len(experts))] if names is None else [str(n) for n in names]
         if len(names) != len(experts):
             raise ValueError(f"names has {len(names)} entries but there are {len(experts)} experts")
-        self._setup(names, weights, min_logprob)
+        self._setup(names, weights, min_logprob, specs, composition)
         components = [("background", background)] + [
             (f"expert {n!r}", m) for n, m in zip(names, experts, strict=True)
         ]
@@ -92,13 +99,15 @@ class ComposedLM(nn.Module):
         weights: Sequence[float] | None = None,
         min_logprob: float = -1e4,
         tokenizer=None,
+        specs: Sequence[Mapping[str, Any]] | None = None,
+        composition: str = "soft",
     ) -> ComposedLM:
         """Adapters backend: the PeftModel's base model is the background, each named adapter an expert.
 
         Args:
             model: a ``peft.PeftModel`` holding (at least) the named LoRA adapters, none merged.
             adapter_names: the adapters to compose, in order; they become :attr:`names`.
-            weights, min_logprob, tokenizer: as in the constructor.
+            weights, min_logprob, tokenizer, specs, composition: as in the constructor.
         """
         from peft import PeftModel
 
@@ -116,7 +125,7 @@ class ComposedLM(nn.Module):
                 raise ValueError(f"adapter {name!r} uses DoRA, which peft's mixed-adapter batches do not support")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(names, weights, min_logprob)
+        self._setup(names, weights, min_logprob, specs, composition)
         self.tokenizer = _check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
         self.backend = "adapters"
         self.background = None
@@ -126,19 +135,35 @@ class ComposedLM(nn.Module):
 
     @classmethod
     def from_manifest(
-        cls, path: str | os.PathLike, *, backend: str = "adapters", device: torch.device | str | None = None
+        cls,
+        path: str | os.PathLike,
+        *,
+        backend: str = "adapters",
+        device: torch.device | str | None = None,
+        composition: str = "soft",
     ) -> ComposedLM:
         """Load an export folder (see :func:`compose.export.export_composition`).
 
         Checksums are verified first (a corrupt or truncated file raises ``ValueError`` naming it).
         ``backend="adapters"`` loads every LoRA expert into one PeftModel; ``backend="separate"`` merges
         each LoRA into its own full copy of the background. Full-model experts need ``"separate"``.
+        ``composition="gated"`` gates each expert by the ``interval`` of its stored spec.
         """
         from compose.export import load_composition
 
-        return load_composition(path, backend=backend, device=device)
+        composition = _check_composition(composition)
+        composed = load_composition(path, backend=backend, device=device)
+        composed.composition = composition
+        return composed
 
-    def _setup(self, names: list[str], weights: Sequence[float] | None, min_logprob: float) -> None:
+    def _setup(
+        self,
+        names: list[str],
+        weights: Sequence[float] | None,
+        min_logprob: float,
+        specs: Sequence[Mapping[str, Any]] | None = None,
+        composition: str = "soft",
+    ) -> None:
         k = len(names)
         if len(set(names)) != k:
             raise ValueError(f"expert names must be unique, got {names}")
@@ -148,6 +173,40 @@ class ComposedLM(nn.Module):
         self.names: list[str] = names
         self.weights: list[float] = weights
         self.min_logprob = float(min_logprob)
+        self.specs = specs
+        self.composition = composition
+
+    @property
+    def specs(self) -> list[dict]:
+        """One spec dict per expert, in :attr:`names` order (``{}`` when none)."""
+        return self._specs
+
+    @specs.setter
+    def specs(self, specs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]] | None) -> None:
+        """A list (one per expert), a dict by expert name (missing names get ``{}``), or None."""
+        if specs is None:
+            specs = [{} for _ in self.names]
+        elif isinstance(specs, Mapping):
+            unknown = sorted(set(specs) - set(self.names))
+            if unknown:
+                raise ValueError(f"specs names unknown experts {unknown}; experts are {self.names}")
+            specs = [specs.get(name, {}) for name in self.names]
+        specs = [{} if s is None else s for s in specs]
+        if len(specs) != len(self.names):
+            raise ValueError(f"specs has {len(specs)} entries but there are {len(self.names)} experts")
+        for name, spec in zip(self.names, specs, strict=True):
+            if not isinstance(spec, Mapping):
+                raise ValueError(f"spec of expert {name!r} must be a mapping, got {type(spec).__name__}")
+        self._specs = [dict(s) for s in specs]
+
+    @property
+    def composition(self) -> str:
+        """``"soft"`` or ``"gated"`` (see the constructor)."""
+        return self._composition
+
+    @composition.setter
+    def composition(self, composition: str) -> None:
+        self._composition = _check_composition(composition)
 
     # ------------------------------------------------------------------ properties
 
@@ -278,6 +337,21 @@ class ComposedLM(nn.Module):
         """Same as :meth:`score`."""
         return self.score(input_ids, attention_mask, masks)
 
+    def interval_masks(self, input_ids: Tensor, prompt_len: int) -> Tensor:
+        """Bool ``[k, B, T]``: the gates of gated :meth:`generate`, teacher-forced, for ``score(masks=...)``.
+
+        Equals running each expert's stopping-time detector step by step over ``input_ids[:, prompt_len:]``
+        (see :func:`compose.gating.interval_masks`); experts without an ``interval`` spec are all True.
+        """
+        from compose.gating import interval_masks
+
+        return interval_masks(self.specs, self._gating_tokenizer(), input_ids, prompt_len)
+
+    def _gating_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("gated composition decodes the generated tokens: give ComposedLM a tokenizer")
+        return self.tokenizer
+
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
@@ -314,7 +388,9 @@ class ComposedLM(nn.Module):
                 background's generation config); an empty list disables EOS stopping.
             pad_token_id: fills finished sequences (default: tokenizer, generation config, else EOS).
             gates: optional ``k`` callables ``gate(prefix_ids [B, t]) -> bool [B]`` (or None for an
-                always-on expert); where False that expert's factor is 1 for that row at this step.
+                always-on expert); where False that expert's factor is 1 for that row at this step. With
+                ``composition="gated"`` and no gates, each expert with an ``interval`` spec gets an
+                :class:`compose.gating.IntervalGate` over the tokens after the prompt.
             generator: a ``torch.Generator`` for reproducible sampling.
 
         Returns:
@@ -333,6 +409,10 @@ class ComposedLM(nn.Module):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
             )
+        if gates is None and self.composition == "gated":
+            from compose.gating import gates_from_specs
+
+            gates = gates_from_specs(self.specs, self._gating_tokenizer(), prompt_len=input_ids.shape[1])
         if gates is not None and len(gates) != self.num_experts:
             raise ValueError(f"gates has {len(gates)} entries but there are {self.num_experts} experts")
         processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
@@ -384,6 +464,12 @@ class ComposedLM(nn.Module):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_composition(composition: str) -> str:
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+    return composition
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:

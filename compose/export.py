@@ -385,7 +385,7 @@ def load_composition(
     (``PeftModel.from_pretrained`` + ``load_adapter``). With no experts at all, the separate backend is
     returned (there is nothing to batch). ``backend="separate"``: each LoRA is merged into its own deep
     copy of the background (``merge_and_unload``); full-model experts are loaded as they are.
-    The manifest's specs and extra are attached as ``.specs`` (by name) and ``.extra``.
+    The manifest's specs and extra are attached as ``.specs`` (one per expert, in order) and ``.extra``.
     """
     from peft import PeftModel
 
@@ -426,7 +426,7 @@ def load_composition(
             else:
                 models.append(_load_model(root / e["path"]))
         composed = ComposedLM(background, models, weights=weights, names=names, tokenizer=tokenizer)
-    composed.specs = {e["name"]: e["spec"] for e in experts}
+    composed.specs = [e["spec"] for e in experts]
     composed.extra = manifest["extra"]
     if device is not None:
         composed.to(device)
