@@ -30,15 +30,15 @@ def main(argv: list[str]) -> int:
 
     from omegaconf import OmegaConf
 
-    from lightning_modules.config import ConfigError, load_config
+    from lightning_modules.pipeline.config import ConfigError, load_config
 
     try:
         cfg = load_config(files, overrides, base=DEFAULT)
         if print_only:
             print(OmegaConf.to_yaml(cfg))
             return 0
-        from lightning_modules.report import print_summary
-        from lightning_modules.stages import run
+        from lightning_modules.pipeline.report import print_summary
+        from lightning_modules.pipeline.stages import run
 
         summary = run(cfg, command=shlex.join(["python", "train.py", *argv]))
     except ConfigError as e:

@@ -30,6 +30,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from compose.common import eval_mode
 from compose.operator import compose_logprobs
 
 BASE_ADAPTER = "__base__"
@@ -275,7 +276,7 @@ class ComposedLM(nn.Module):
         the call. Here the same hooks are registered once for a whole ``generate``/``score`` call, so each
         decoding step is one plain forward of the base model instead of a walk over all modules twice.
         """
-        with _eval_mode(self):
+        with eval_mode(self):
             if self.backend != "adapters":
                 yield
                 return
@@ -571,18 +572,6 @@ def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> It
 def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
     kwargs["adapter_names"] = adapter_names
     return args, kwargs
-
-
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """Put ``module`` in eval mode (peft needs it for ``adapter_names``) and restore every submodule's mode."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _accepts(model: nn.Module, name: str) -> bool:

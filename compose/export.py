@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import yaml
 
+from compose.common import check_vocab, move_into_place
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "composition.yaml"
 EXPERT_KINDS = ("lora", "model")
@@ -143,8 +145,7 @@ def export_composition(
     else:
         bg_model = background if background is not None else peft_model.get_base_model()
         ref_vocab = bg_model.config.get_text_config().vocab_size
-    if ref_vocab is not None and len(tokenizer) > ref_vocab:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the background's vocab_size is {ref_vocab}")
+    check_vocab(tokenizer, ref_vocab, "export_composition: background")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
 
@@ -182,7 +183,7 @@ def export_composition(
         }
         (tmp / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False))
         load_manifest(tmp)  # what we wrote must read back
-        _move_into_place(tmp, path, overwrite)
+        move_into_place(tmp, path, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -209,24 +210,6 @@ def _expert_entry(name: str, kind: str, weights: Mapping, specs: Mapping) -> dic
         "weight": float(weights.get(name, 1.0)),
         "spec": _plain(specs.get(name, {})),
     }
-
-
-def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``path``; an old ``path`` is removed only after that succeeded."""
-    old = None
-    if path.exists():
-        if not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        path.rename(old)
-    try:
-        tmp.rename(path)
-    except BaseException:
-        if old is not None:
-            old.rename(path)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- manifest
@@ -400,12 +383,7 @@ def load_composition(
     bg = manifest["background"]
     bg_dir = root / bg["path"] if "path" in bg else _resolve_ref(root, bg["ref"])
     background = _load_model(bg_dir)
-    vocab = background.config.get_text_config().vocab_size
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"{root / manifest['tokenizer']}: tokenizer has {len(tokenizer)} tokens but the background's "
-            f"vocab_size is {vocab}"
-        )
+    check_vocab(tokenizer, background.config.get_text_config().vocab_size, str(root / manifest["tokenizer"]))
     experts = manifest["experts"]
     names = [e["name"] for e in experts]
     weights = [e["weight"] for e in experts]

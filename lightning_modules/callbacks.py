@@ -2,53 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
 from compose.export import export_composition
-from data.letters import RuleSet, check_format
-from lightning_modules.evaluation import evaluate_composition
-from lightning_modules.models import load_pretrained
+from data.tasks import Task
+from lightning_modules.pipeline.models import load_pretrained
 
 
 class CompositionEvaluation(pl.Callback):
     """At validation end, compose the background with every expert in play and log how the composition does.
 
-    Decodes the compositional validation set greedily with `ComposedLM` and logs `val/composed/exact_match`,
-    `val/composed/nll`, `val/composed/projectivity_error`, per-skill accuracy, failure types, per-expert
-    off/on-mask KL on compositional prefixes and pairwise active-set overlap.
+    Decodes the task's compositional validation rows with `ComposedLM` and logs, under `val/composed/`, what
+    `Task.composition_metrics` returns: `exact_match`, `nll`, `projectivity_error`, per-skill accuracy,
+    per-expert off/on-mask KL on compositional prefixes, pairwise active-set overlap, and the task's extras.
 
     Args:
-        dataset_fn: returns the compositional validation `datasets.Dataset` (x, y, input_ids, targets, masks).
-        rule_sets: the rule set of every expert in play, in the composed model's expert order.
-        collate: the collator turning dataset rows into tensors.
-        tokenizer: the shared tokenizer.
-        limit: decode at most this many inputs (None: all).
-        format: the data format of the dataset (`generative`: greedy decoding; `aligned`: argmax at the
-            positions of `x`, nothing generated).
+        task: the task (its `compositional_dataset("val")`, in the composed model's expert order).
+        batch_size: rows per decoding batch.
+        limit: decode at most this many rows (None: all).
+        active_threshold: divergence (nats) above which a position counts as active.
     """
 
-    def __init__(self, dataset_fn: Callable, rule_sets: Sequence[RuleSet], collate, tokenizer,
-                 batch_size: int = 250, limit: int | None = None, active_threshold: float = 0.01,
-                 format: str = "generative") -> None:
-        self.dataset_fn, self.rule_sets, self.collate = dataset_fn, list(rule_sets), collate
-        self.tokenizer, self.batch_size, self.limit = tokenizer, batch_size, limit
-        self.active_threshold = active_threshold
-        self.format = check_format(format)
+    def __init__(self, task: Task, batch_size: int = 250, limit: int | None = None,
+                 active_threshold: float = 0.01) -> None:
+        self.task, self.batch_size, self.limit, self.active_threshold = task, batch_size, limit, active_threshold
         self.last: dict[str, float] = {}
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        dataset = self.dataset_fn()
+        dataset = self.task.compositional_dataset("val")
         if self.limit is not None and len(dataset) > self.limit:
             dataset = dataset.select(range(self.limit))
-        composed = pl_module.composed_model(self.tokenizer)
-        self.last = evaluate_composition(composed, self.tokenizer, dataset, self.rule_sets, self.collate,
-                                         self.batch_size, self.active_threshold, format=self.format)
+        composed = pl_module.composed_model(self.task.tokenizer)
+        self.last = self.task.composition_metrics(composed, dataset, self.batch_size, self.active_threshold)
         for key, value in self.last.items():
             pl_module.log(f"val/composed/{key}", value, prog_bar=key == "exact_match", sync_dist=True)
 
@@ -59,7 +50,7 @@ class ExportForComposition(pl.Callback):
     Args:
         path: the export folder (refused if it exists, unless `overwrite`).
         tokenizer: saved with the export.
-        specs: per expert name, the spec stored in the manifest (e.g. `{"rules": {"A": "B"}}`).
+        specs: per expert name, its mask spec stored in the manifest (e.g. `{"rules": {"A": "B"}}`).
         weights: per expert name, its composition weight.
         background_path: the clean background's HF folder (LoRA wraps the live model in place, so the
             export's copy is read from here).

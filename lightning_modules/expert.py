@@ -9,8 +9,7 @@ fine-tuning each expert is its own copy and the background a frozen copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -20,21 +19,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from compose import ComposedLM
+from compose.common import eval_mode
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, task_nll
-
-
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    # peft refuses per-row `adapter_names` in training mode; our adapters and base models run without
-    # dropout (lora_dropout=0), so eval mode changes nothing in the forward and gradients still flow.
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 class ExpertLM(pl.LightningModule):
@@ -122,7 +110,7 @@ class ExpertLM(pl.LightningModule):
         """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA."""
         if self.hparams.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
-            with _eval_mode(self.model):
+            with eval_mode(self.model):
                 return self.model(input_ids=input_ids, attention_mask=attention_mask,
                                   adapter_names=adapter_names).logits
         out = None
@@ -139,10 +127,10 @@ class ExpertLM(pl.LightningModule):
     @torch.no_grad()
     def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         if self.hparams.mode != "lora":
-            with _eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
+            with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
                 return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
         model = self.peft_model
-        with model.disable_adapter(), _eval_mode(model):
+        with model.disable_adapter(), eval_mode(model):
             # A wrapper (FSDP, say) that re-enables adapters would silently regularize toward the expert.
             if any(not m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer)):
                 raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")

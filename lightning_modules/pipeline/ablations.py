@@ -9,9 +9,12 @@ on the parent run's own experts, in `composition_stage`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from data.tasks import Task, TaskError
 
 # variant -> (what it shows, overrides). Variants that drop the regularizer also drop the compositional
 # rows (`reg_data=own`): without it they would still carry a task loss on composed prefixes.
@@ -35,32 +38,31 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
                         ["expert.reg_data=own+background"]),
 }
 
-# Disjoint single-letter experts for the k sweep: A→B, C→D, E→F, ...
-def standard_experts(k: int, alphabet: str) -> list[dict]:
-    if 2 * k > len(alphabet):
-        raise ValueError(f"k={k} experts with disjoint single-letter rules need {2 * k} letters; "
-                         f"the alphabet has {len(alphabet)}")
-    return [{"name": f"{alphabet[2 * i]}_to_{alphabet[2 * i + 1]}", "rules": {alphabet[2 * i]: alphabet[2 * i + 1]}}
-            for i in range(k)]
+RunFn = Callable[[DictConfig], dict]
 
 
-def check_ablations(cfg: DictConfig) -> None:
-    from lightning_modules.config import ConfigError
+def check_ablations(cfg: DictConfig, task: Task) -> None:
+    """Unknown variants, or ks the task cannot make experts for, are config errors."""
+    from lightning_modules.pipeline.config import ConfigError
 
     unknown = [a for a in cfg.ablations if a not in ABLATIONS]
     if unknown:
         raise ConfigError(f"ablations: unknown variant(s) {', '.join(unknown)}; known: {', '.join(ABLATIONS)}")
     for k in cfg.ablation_ks:
         try:
-            standard_experts(int(k), cfg.data.alphabet)
-        except ValueError as e:
+            task.standard_experts(int(k))
+        except TaskError as e:
             raise ConfigError(f"ablation_ks: {e}") from None
 
 
-def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
-    """Run every variant of `cfg.ablations` at every k of `cfg.ablation_ks` (default: the run's own k)."""
+def run_ablations(cfg: DictConfig, out: Path, background_path: Path, task: Task, run: RunFn) -> dict:
+    """Run every variant of `cfg.ablations` at every k of `cfg.ablation_ks` (default: the run's own k).
+
+    `run` is the pipeline's own entry point (`stages.run`), passed in so this module does not import it.
+    """
     ks = [int(k) for k in cfg.ablation_ks] or [len(cfg.experts)]
     backgrounds: dict[str, Path] = {_background_key(cfg): background_path}
+    resuming = cfg.ckpt_path == "last"
     results: dict = {}
     for variant in cfg.ablations:
         description, overrides = ABLATIONS[variant]
@@ -68,33 +70,31 @@ def run_ablations(cfg: DictConfig, out: Path, background_path: Path) -> dict:
         for k in ks:
             sub = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
             if k != len(cfg.experts):
-                sub = OmegaConf.merge(sub, {"experts": standard_experts(k, cfg.data.alphabet)})
+                sub = OmegaConf.merge(sub, {"experts": task.standard_experts(k)})
             sub.ablations, sub.ablation_ks, sub.baselines, sub.report = [], [], [], False
             key = _background_key(sub)
             if key not in backgrounds and not cfg.background.path:
                 bg_cfg = OmegaConf.merge(sub, {"experts": [], "output_dir": str(out / "ablations" / f"background_{key}")})
                 print(f"[ablations] training background {key}")
-                backgrounds[key] = Path(_run_or_resume(bg_cfg, cfg.ckpt_path == "last")["output_dir"]) / "background"
+                backgrounds[key] = Path(_run_or_resume(bg_cfg, resuming, run)["output_dir"]) / "background"
             sub.background.path = str(backgrounds.get(key, background_path))
             sub.output_dir = str(out / "ablations" / f"{variant}_k{k}")
             print(f"[ablations] {variant}, k={k}: {' '.join(overrides) or '(no overrides)'}")
-            s = _run_or_resume(sub, resuming=cfg.ckpt_path == "last")
+            s = _run_or_resume(sub, resuming, run)
             experts = s.get("experts", {}).values()
             results[variant]["k"][str(k)] = {
                 "exact_match": s["composition"]["exact_match"],
                 "off_mask_kl": sum(e["off_mask_kl"] for e in experts) / max(len(experts), 1),
                 "max_off_mask_log_ratio": max((e["max_off_mask_log_ratio"] for e in experts), default=0.0),
                 "experts_min_exact_match": min((e["exact_match"] for e in experts if "exact_match" in e), default=None),
-                "failures": s["composition"]["failures"],
+                "failures": s["composition"].get("failures", {}),
                 "output_dir": s["output_dir"],
             }
     return results
 
 
-def _run_or_resume(sub: DictConfig, resuming: bool) -> dict:
+def _run_or_resume(sub: DictConfig, resuming: bool, run: RunFn) -> dict:
     """A sub-run; when the parent resumes, a finished sub-run is read back and an unfinished one resumed."""
-    from lightning_modules.stages import run
-
     folder = Path(sub.output_dir)
     if resuming and (folder / "summary.json").is_file():
         return json.loads((folder / "summary.json").read_text())

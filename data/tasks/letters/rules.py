@@ -27,12 +27,11 @@ from typing import Any
 
 import datasets
 import torch
-from torch import LongTensor, Tensor
+from torch import LongTensor
 from transformers import PreTrainedTokenizerBase
 
-from data.tokenizer import letter_ids, validate_alphabet
-
-IGNORE_INDEX = -100
+from data.tokenizer import validate_alphabet
+from losses import IGNORE_INDEX
 
 # Column names build_letters_dataset writes itself; extra_columns may not reuse them.
 _BASE_COLUMNS = ("x", "y", "input_ids", "targets", "masks", "output_start", "output_len")
@@ -446,111 +445,6 @@ def dataset_builder(format: str) -> Callable[..., datasets.Dataset]:
     ``build_aligned_dataset`` (``"aligned"``); both take ``(xs, target_rule_sets, mask_rule_sets,
     tokenizer, extra_columns=None)``."""
     return _BUILDERS[check_format(format)]
-
-
-class LettersCollator:
-    """Pad letter-task rows into a batch, optionally corrupting teacher-forced output letters.
-
-    Output (``B`` rows, ``T`` = longest row, right padding): ``input_ids`` ``[B, T]`` (pad id),
-    ``attention_mask`` ``[B, T]``, ``targets`` ``[B, T]`` (``-100`` on padding), ``masks`` bool
-    ``[B, k, T]`` (False on padding), and every other integer column (``expert_index``, ``is_task``,
-    ``output_start``, ``output_len``) as a ``[B]`` tensor. String columns (``x``, ``y``) are dropped.
-
-    Prefix corruption (METHOD.md §5): each output letter in ``input_ids`` (positions
-    ``output_start .. output_start + output_len - 1``; never ``<bos>``, ``x``, ``<sep>`` or ``<eos>``) is
-    replaced with probability ``corruption_prob`` by a uniformly drawn *different* letter of the alphabet,
-    so ``corruption_prob`` is exactly the expected fraction of changed output letters. ``targets`` stay
-    clean. Corruption is drawn afresh at every call from ``generator`` (default: torch's global RNG, which
-    Lightning's ``seed_everything`` seeds and DataLoader workers reseed per worker; an explicit generator
-    is copied into each worker, so prefer the default with ``num_workers > 0``).
-
-    Position-aligned rows (:func:`build_aligned_dataset`) have no teacher-forced outputs: their
-    ``output_start .. output_start + output_len - 1`` span is the input ``x`` itself, so corruption does not
-    apply to them (the datamodules build their collators with ``corruption_prob=0`` for that format).
-    """
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        alphabet: str,
-        corruption_prob: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        if not 0.0 <= corruption_prob <= 1.0:
-            raise ValueError(f"corruption_prob must be in [0, 1], got {corruption_prob}")
-        self.pad_token_id = _special_id(tokenizer, "pad_token_id")
-        self.alphabet = alphabet
-        self.corruption_prob = float(corruption_prob)
-        self.generator = generator
-        self.letter_ids = torch.tensor(letter_ids(tokenizer, alphabet), dtype=torch.long)
-        size = max(len(tokenizer), int(self.letter_ids.max()) + 1)
-        self._letter_index = torch.full((size,), -1, dtype=torch.long)
-        self._letter_index[self.letter_ids] = torch.arange(len(alphabet))
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
-        if not rows:
-            raise ValueError("LettersCollator got an empty list of rows")
-        lengths = [len(row["input_ids"]) for row in rows]
-        bsz, width = len(rows), max(lengths)
-        k = len(rows[0]["masks"])
-        input_ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
-        targets = torch.full((bsz, width), IGNORE_INDEX, dtype=torch.long)
-        masks = torch.zeros((bsz, k, width), dtype=torch.bool)
-        for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-            if len(row["masks"]) != k:
-                raise ValueError(
-                    f"rows in one batch have different numbers of masks: row 0 has k={k}, row {b} has "
-                    f"k={len(row['masks'])} (do not mix datasets built with different mask_rule_sets)"
-                )
-            if len(row["targets"]) != n:
-                raise ValueError(f"row {b}: targets length {len(row['targets'])} != input_ids length {n}")
-            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            attention_mask[b, :n] = 1
-            targets[b, :n] = torch.as_tensor(row["targets"], dtype=torch.long)
-            if k:
-                masks[b, :, :n] = torch.as_tensor(row["masks"]).reshape(k, n).bool()
-        batch: dict[str, Tensor] = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "targets": targets,
-            "masks": masks,
-        }
-        for key, value in rows[0].items():
-            if key in batch or isinstance(value, str):
-                continue
-            if isinstance(value, Tensor) and value.dim() == 0:
-                value = value.item()
-            if not isinstance(value, int | float):
-                raise ValueError(f"column {key!r} is neither a sequence column nor a scalar: {value!r}")
-            try:
-                values = [row[key] for row in rows]
-            except KeyError as err:
-                raise ValueError(f"column {key!r} is missing from some rows of the batch") from err
-            dtype = torch.float32 if isinstance(value, float) else torch.long
-            batch[key] = torch.as_tensor(values, dtype=dtype)
-        if self.corruption_prob > 0.0:
-            self._corrupt(batch)
-        return batch
-
-    def _corrupt(self, batch: dict[str, Tensor]) -> None:
-        if "output_start" not in batch or "output_len" not in batch:
-            raise ValueError("prefix corruption needs the output_start and output_len columns")
-        input_ids = batch["input_ids"]
-        pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
-        start = batch["output_start"].unsqueeze(1)
-        in_output = (pos >= start) & (pos < start + batch["output_len"].unsqueeze(1))
-        draw = torch.rand(input_ids.shape, generator=self.generator) < self.corruption_prob
-        chosen = in_output & draw
-        current = self._letter_index[input_ids[chosen]]
-        if (current < 0).any():
-            raise ValueError(
-                f"an output token is not a letter of the collator's alphabet {self.alphabet!r}"
-            )
-        n_letters = len(self.letter_ids)
-        if n_letters > 1:
-            shift = torch.randint(1, n_letters, current.shape, generator=self.generator)
-            input_ids[chosen] = self.letter_ids[(current + shift) % n_letters]
 
 
 def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:

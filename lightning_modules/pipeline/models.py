@@ -12,7 +12,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from lightning_modules.config import ConfigError, ModelConfig
+from compose.common import check_vocab
+from lightning_modules.pipeline.config import ConfigError, ModelConfig
 
 
 def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -39,7 +40,8 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pre
 
 def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
                     trust_remote_code: bool = False) -> PreTrainedModel:
-    """Load a local HF causal LM (safetensors only); refuse one whose vocabulary is not the tokenizer's."""
+    """Load a local HF causal LM (safetensors only); refuse one whose vocabulary cannot hold the tokenizer's
+    (a larger embedding table, as pretrained checkpoints pad theirs, is fine)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ConfigError(f"no HF model folder at {path} (config.json missing)")
@@ -47,11 +49,10 @@ def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None 
         model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ConfigError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
-    if tokenizer is not None and model.get_output_embeddings().weight.shape[0] != len(tokenizer):
-        raise ConfigError(
-            f"model at {path} has vocabulary size {model.get_output_embeddings().weight.shape[0]}, "
-            f"the tokenizer has {len(tokenizer)}"
-        )
+    try:
+        check_vocab(tokenizer, model.get_output_embeddings().weight.shape[0], f"model at {path}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return model
 
 

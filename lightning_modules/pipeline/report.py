@@ -28,7 +28,7 @@ ACCURACY_PLOT = "accuracy_vs_k.png"
 HEATMAP_PLOT = "divergence_heatmap.png"
 DIVERGENCE_MAP = "divergence_map.json"
 _KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
-                           "overlapping_sources"}
+                           "notes"}
 
 
 # ----------------------------------------------------------------------------------------------- formatting
@@ -78,7 +78,7 @@ def _component_rows(summary: dict) -> list[list[str]]:
     """Rows of the component table: background, each expert, the composition."""
     rows = []
     background = summary.get("background") or {}
-    rows.append(["background (copy)"] + [_fmt(background.get(k)) for k, _ in COMPONENT_COLUMNS])
+    rows.append(["background"] + [_fmt(background.get(k)) for k, _ in COMPONENT_COLUMNS])
     for name, e in (summary.get("experts") or {}).items():
         label = f"expert {name}"
         if e.get("trained_in") == "compose_with":
@@ -178,13 +178,14 @@ def _check_divergence_map(divergence_map: dict, max_experts: int, max_inputs: in
                                  f"expected one per input ({len(inputs)})")
     labels = []
     for n, y in enumerate(outputs):
-        tokens = list(y)
+        # The target tokens as written by the run (any tokenizer); older maps: one character per position.
+        tokens = list(divergence_map["tokens"][n]) if "tokens" in divergence_map else list(y)
         n_pos = len(div[0][n]) if experts else len(tokens) + 1
         if n_pos == len(tokens) + 1:
             tokens = tokens + ["eos"]
         elif n_pos != len(tokens):
             raise ValueError(f"divergence_map['divergence'][0][{n}] has {n_pos} positions, "
-                             f"expected len(outputs[{n}]) + 1 = {len(tokens) + 1}")
+                             f"expected {len(tokens)} target tokens (+ 1 for eos)")
         for e in range(len(experts)):
             if len(div[e][n]) != n_pos or len(masks[e][n]) != n_pos:
                 raise ValueError(f"divergence_map expert {experts[e]!r} input {n}: divergence has {len(div[e][n])} "
@@ -315,10 +316,10 @@ def _composition_section(c: dict) -> list[str]:
         lines += ["### Pairwise active-set overlap (IoU of the positions where each expert is active, KL(p_b ‖ p_i) above the threshold)", ""]
         lines += _table(["pair", "IoU"], [[pair.replace("__", " × "), _fmt(v)] for pair, v in overlap.items()])
         lines.append("")
-    sources = c.get("overlapping_sources")
-    if sources:
-        lines += ["Overlapping rule sources (experts whose masks can claim the same positions): "
-                  + ", ".join(f"`{s}`" for s in sources), ""]
+    notes = c.get("notes")
+    if notes:
+        lines += ["Notes from the task (e.g. experts whose masks can claim the same positions): "
+                  + ", ".join(f"`{s}`" for s in notes), ""]
     return lines
 
 

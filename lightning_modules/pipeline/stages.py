@@ -1,14 +1,13 @@
 """The pipeline `train.py` runs: background → experts → composition, each a Lightning fit or evaluation.
 
-Everything a run writes lands in its `output_dir`: `config.yaml`, `background/` (HF folder), `tokenizer/`,
-`checkpoints/<stage>/`, `logs/<stage>/` (CSV, TensorBoard when installed), `export/` (for composition)
-and `summary.json`.
+It talks to the task only through `data.tasks.Task`. Everything a run writes lands in its `output_dir`:
+`config.yaml`, `background/` (HF folder), `tokenizer/`, `checkpoints/<stage>/`, `logs/<stage>/` (CSV,
+TensorBoard when installed), `export/` (for composition) and `summary.json`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -21,20 +20,24 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from compose import ComposedLM
+from compose.common import atomic_save, atomic_write_text
 from compose.export import load_manifest
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
-from data.datamodules import BackgroundDataModule, ExpertDataModule, LettersDataConfig
-from data.letters import LettersCollator, RuleSet, validate_rule_sets
-from data.tokenizer import build_char_tokenizer
-from lightning_modules.ablations import check_ablations, run_ablations
+from data.datamodule import TaskDataModule
+from data.tasks import Expert, Task, TaskError, task_class
 from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
-from lightning_modules.config import ConfigError
-from lightning_modules.evaluation import evaluate_composition, exact_match
 from lightning_modules.expert import ExpertLM
-from lightning_modules.models import build_causal_lm, count_parameters, load_pretrained
-from lightning_modules.report import write_report
-from losses import divergence
+from lightning_modules.pipeline.ablations import check_ablations, run_ablations
+from lightning_modules.pipeline.config import ConfigError, expert_spec, task_settings
+from lightning_modules.pipeline.models import build_causal_lm, count_parameters, load_pretrained
+from lightning_modules.pipeline.report import write_report
+from losses import IGNORE_INDEX, divergence
+
+# Keys of the composition's metrics that belong to one expert (`<name>/<key>`): they go under
+# `summary.experts.<name>`.
+PER_EXPERT_KEYS = ("off_mask_kl", "on_mask_kl", "max_off_mask_log_ratio", "skill_accuracy", "active_precision",
+                   "active_recall")
 
 
 @dataclass
@@ -42,20 +45,24 @@ class Plan:
     """What a run will do, checked in full before anything is written."""
 
     out: Path
-    tokenizer: object
-    trained: list[RuleSet]                 # experts trained in this run
-    frozen: list[RuleSet]                  # experts from earlier exports (compose_with)
+    task: Task
+    trained: list[str]                     # experts trained in this run
+    frozen: list[str]                      # experts from earlier exports (compose_with)
     frozen_adapters: dict[str, str] = field(default_factory=dict)
-    frozen_weights: dict[str, float] = field(default_factory=dict)
-    overlaps: list[str] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)
+    specs: dict[str, dict] = field(default_factory=dict)
 
     @property
-    def in_play(self) -> list[RuleSet]:
+    def in_play(self) -> list[str]:
         return self.trained + self.frozen
 
+    @property
+    def tokenizer(self):
+        return self.task.tokenizer
 
-def plan_run(cfg: DictConfig) -> Plan:
-    """Validate everything the config names (rules, files, exports, tokenizers) without writing anything."""
+
+def output_dir(cfg: DictConfig) -> Path:
+    """The run's folder: `output_dir`, or `runs/<experiment>/<timestamp>`; refuses to overwrite one."""
     resuming = cfg.ckpt_path == "last"
     if cfg.output_dir:
         out = Path(cfg.output_dir)
@@ -68,30 +75,39 @@ def plan_run(cfg: DictConfig) -> Plan:
         out = Path("runs") / cfg.experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
     if resuming and not out.exists():
         raise ConfigError(f"ckpt_path=last: output_dir {out} does not exist")
+    return out
 
-    tokenizer = build_char_tokenizer(cfg.data.alphabet)
-    trained = [RuleSet(e.name, dict(e.rules)) for e in cfg.experts]
-    frozen, frozen_adapters, frozen_weights = [], {}, {}
+
+def plan_run(cfg: DictConfig) -> Plan:
+    """Validate everything the config names (task, experts, files, exports, tokenizers) without writing."""
+    out = output_dir(cfg)
+    experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
+    frozen_adapters, exports = {}, []
     for export in cfg.composition.compose_with:
         try:
             manifest = load_manifest(export)
         except (OSError, ValueError) as e:
             raise ConfigError(f"composition.compose_with: {export}: {e}") from None
-        _check_same_vocab(manifest, tokenizer, export)
         _check_same_background(manifest, export, cfg.background.path)
-        for expert in manifest["experts"]:
-            if expert.get("kind", "lora") != "lora":
-                raise ConfigError(f"composition.compose_with: {export}: expert '{expert['name']}' is not a LoRA adapter")
-            frozen.append(RuleSet(expert["name"], dict((expert.get("spec") or {}).get("rules", {}))))
-            frozen_adapters[expert["name"]] = str(Path(export) / expert["path"])
-            frozen_weights[expert["name"]] = float(expert.get("weight", 1.0))
+        for entry in manifest["experts"]:
+            if entry.get("kind", "lora") != "lora":
+                raise ConfigError(f"composition.compose_with: {export}: expert '{entry['name']}' is not a LoRA adapter")
+            experts.append(Expert(entry["name"], dict(entry.get("spec") or {}), float(entry.get("weight", 1.0))))
+            frozen_adapters[entry["name"]] = str(Path(export) / entry["path"])
+        exports.append((export, manifest))
+    trained = [e.name for e in cfg.experts]
     try:
-        overlaps = validate_rule_sets(trained + frozen, cfg.data.alphabet, allow_overlap=cfg.composition.allow_overlap)
-    except ValueError as e:
-        raise ConfigError(f"experts: {e}") from None
+        task = task_class(cfg.task.name)(task_settings(cfg), experts, trained=trained, reg_data=cfg.expert.reg_data,
+                                         seed=cfg.seed, allow_overlap=cfg.composition.allow_overlap)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    for export, manifest in exports:
+        _check_same_vocab(manifest, task.tokenizer, export)
+    check_ablations(cfg, task)
     if cfg.background.path:
-        load_pretrained(cfg.background.path, tokenizer)  # fails early on a missing folder or a vocabulary mismatch
-    return Plan(out, tokenizer, trained, frozen, frozen_adapters, frozen_weights, overlaps)
+        load_pretrained(cfg.background.path, task.tokenizer)  # fails early on a missing folder or a small vocabulary
+    return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
+                weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
 
 
 def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
@@ -103,8 +119,7 @@ def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
     except Exception as e:
         raise ConfigError(f"composition.compose_with: cannot read tokenizer of {export}: {str(e).splitlines()[0]}") from None
     if theirs.get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"composition.compose_with: the tokenizer of {export} differs from this run's "
-                          f"(data.alphabet={tokenizer.name_or_path or 'this run'})")
+        raise ConfigError(f"composition.compose_with: the tokenizer of {export} differs from this run's")
 
 
 def _check_same_background(manifest: dict, export: str, background_path: str | None) -> None:
@@ -130,17 +145,6 @@ def _same_weights(a: Path, b: Path) -> bool:
         if ta.keys() != tb.keys() or any(not torch.equal(ta[k], tb[k]) for k in ta):
             return False
     return True
-
-
-def data_config(cfg: DictConfig, corruption_prob: float, reg_data: str = "own", n_experts: int = 1) -> LettersDataConfig:
-    """`data.batch_size` and the split sizes count rows per expert: k experts train on k × batch_size rows."""
-    d = cfg.data
-    return LettersDataConfig(alphabet=d.alphabet, min_len=d.min_len, max_len=d.max_len, format=d.format,
-                             n_train=d.n_train,
-                             n_val=d.n_val, n_test=d.n_test, batch_size=d.batch_size * n_experts,
-                             corruption_prob=corruption_prob,
-                             source_prob=d.source_prob, compositional_min_experts=d.compositional_min_experts,
-                             reg_data=reg_data, num_workers=d.num_workers, seed=cfg.seed)
 
 
 def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbacks: list) -> pl.Trainer:
@@ -195,110 +199,98 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}")
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps)
-    dm = BackgroundDataModule(plan.tokenizer, data_config(cfg, b.corruption_prob))
+    dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
-    _atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
+    atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
     return path
 
 
 def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     e = cfg.expert
     target = e.lora.target_modules
-    weights = {s.name: float(s.weight) for s in cfg.experts} | plan.frozen_weights
     return ExpertLM(
-        load_pretrained(background_path, plan.tokenizer), [r.name for r in plan.trained], mode=e.mode,
+        load_pretrained(background_path, plan.tokenizer), plan.trained, mode=e.mode,
         lora_r=e.lora.r, lora_alpha=e.lora.alpha,
         target_modules=target if isinstance(target, str) else list(target),
         reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
         task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
         warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, frozen_adapters=plan.frozen_adapters,
-        weights=weights, active_threshold=cfg.composition.active_threshold,
+        weights=plan.weights, active_threshold=cfg.composition.active_threshold,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
     )
 
 
-def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> tuple[ExpertLM, ExpertDataModule]:
+def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
-    e = cfg.expert
-    dm = ExpertDataModule(plan.tokenizer, data_config(cfg, e.corruption_prob, e.reg_data, len(plan.trained)), plan.trained,
-                          composition_experts=plan.in_play, allow_overlap=cfg.composition.allow_overlap)
-    dm.setup("fit")
+    e, c = cfg.expert, cfg.composition
+    # `data.batch_size` counts rows per expert: k experts train on k × batch_size rows.
+    dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained), e.corruption_prob,
+                        cfg.data.num_workers, cfg.seed)
+    dm.dataset("train")
     module = expert_module(cfg, plan, background_path)
-    print(f"[experts] {', '.join(r.name for r in plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
+    print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
           f"reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
-    collate = LettersCollator(plan.tokenizer, cfg.data.alphabet)
-    c = cfg.composition
     callbacks = [
-        CompositionEvaluation(lambda: dm.compositional_dataset("val"), plan.in_play, collate, plan.tokenizer,
-                              batch_size=c.eval_batch_size, limit=c.val_limit, active_threshold=c.active_threshold,
-                              format=cfg.data.format),
-        ExportForComposition(plan.out / "export", plan.tokenizer,
-                             specs={r.name: {"rules": dict(r.rules)} for r in plan.trained},
-                             weights={s.name: float(s.weight) for s in cfg.experts}, background_path=background_path,
-                             extra={"experiment": cfg.experiment, "seed": cfg.seed}, overwrite=cfg.ckpt_path == "last"),
+        CompositionEvaluation(plan.task, batch_size=c.eval_batch_size, limit=c.val_limit,
+                              active_threshold=c.active_threshold),
+        ExportForComposition(plan.out / "export", plan.tokenizer, specs=plan.specs, weights=plan.weights,
+                             background_path=background_path,
+                             extra={"experiment": cfg.experiment, "seed": cfg.seed, "task": cfg.task.name},
+                             overwrite=cfg.ckpt_path == "last"),
     ]
     export = plan.out / "export" / "composition.yaml"
     if cfg.ckpt_path == "last" and export.is_file():  # finished earlier: reload the trained adapters
         state = torch.load(plan.out / "checkpoints" / "experts" / "last.ckpt", map_location="cpu", weights_only=True)
         module.load_state_dict(state["state_dict"])
-        return module, dm
+        return module
     _fit(make_trainer(cfg, plan.out, "experts", e.max_steps, callbacks), module, dm, cfg, plan.out, "experts")
-    return module, dm
+    return module
 
 
-def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None,
-                      dm: ExpertDataModule | None) -> dict:
+def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None) -> dict:
     """Final evaluation on the test split: background, each expert alone, and the composition."""
-    tok, bs, fmt = plan.tokenizer, cfg.composition.eval_batch_size, cfg.data.format
-    summary: dict = {}
+    task, tok, bs = plan.task, plan.tokenizer, cfg.composition.eval_batch_size
     background = load_pretrained(background_path, tok).eval()
-    bg_dm = BackgroundDataModule(tok, data_config(cfg, 0.0))
-    bg_dm.setup("test")
-    summary["background"] = {"exact_match": exact_match(ComposedLM(background, tokenizer=tok), tok,
-                                                        bg_dm.copy_eval_inputs("test"), [], bs, format=fmt)}
+    summary: dict = {"background": task.evaluate_background(ComposedLM(background, tokenizer=tok), "test", bs)}
     if module is None:
         return summary
     module.eval()
-    summary["experts"] = {}
-    for i, rs in enumerate(plan.trained):
-        alone = module.composed_model(tok, names=[rs.name])
-        summary["experts"][rs.name] = {"exact_match": exact_match(alone, tok, dm.expert_eval_inputs(i, "test"), [rs], bs,
-                                                                  format=fmt)}
-    collate = LettersCollator(tok, cfg.data.alphabet)
-    results = evaluate_composition(module.composed_model(tok), tok, dm.compositional_dataset("test"), plan.in_play,
-                                   collate, bs, cfg.composition.active_threshold, format=fmt)
-    for rs in plan.in_play:
-        entry = summary["experts"].setdefault(rs.name, {"trained_in": "compose_with"})
-        for key in ("off_mask_kl", "on_mask_kl", "max_off_mask_log_ratio", "skill_accuracy"):
-            entry[key] = results.pop(f"{rs.name}/{key}")
+    summary["experts"] = {name: task.evaluate_expert(module.composed_model(tok, names=[name]), name, "test", bs)
+                          for name in plan.trained}
+    test_set = task.compositional_dataset("test")
+    composed = module.composed_model(tok)
+    results = task.composition_metrics(composed, test_set, bs, cfg.composition.active_threshold)
+    for name in plan.in_play:
+        entry = summary["experts"].setdefault(name, {"trained_in": "compose_with"})
+        for key in PER_EXPERT_KEYS:
+            entry[key] = results.pop(f"{name}/{key}")
     summary["composition"] = {
         "exact_match": results.pop("exact_match"),
         "k": len(plan.in_play),
-        "n_test": len(dm.compositional_dataset("test")),
+        "n_test": len(test_set),
         "failures": {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("failures/")},
         "overlap": {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("overlap/")},
         **results,
     }
-    if plan.overlaps:
-        summary["composition"]["overlapping_sources"] = plan.overlaps
-    test_set = dm.compositional_dataset("test")
-    write_divergence_map(module.composed_model(tok), test_set.select(range(min(4, len(test_set)))), collate,
+    if task.notes:
+        summary["composition"]["notes"] = task.notes
+    write_divergence_map(composed, test_set.select(range(min(4, len(test_set)))), task.collator(),
                          plan.out / "divergence_map.json")
     if cfg.baselines:
-        summary["baselines"] = merge_baselines(cfg, plan, module, test_set, collate)
+        summary["baselines"] = merge_baselines(cfg, plan, module, test_set)
     return summary
 
 
-def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set, collate) -> dict:
+def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> dict:
     """The same experts merged in parameter space, scored on the compositional test set.
 
     Also records how far task arithmetic's log-probs are from the composition's (METHOD.md §2: equal in
     the linear setting, apart elsewhere).
     """
-    tok, bs, names = plan.tokenizer, cfg.composition.eval_batch_size, [r.name for r in plan.in_play]
+    task, tok, bs, names = plan.task, plan.tokenizer, cfg.composition.eval_batch_size, plan.in_play
     composed = module.composed_model(tok)
-    batch = collate([test_set[i] for i in range(min(len(test_set), bs))])
-    valid = batch["targets"] != -100
+    batch = task.collator()([test_set[i] for i in range(min(len(test_set), bs))])
+    valid = batch["targets"] != IGNORE_INDEX
     composed_lp = composed.score(batch["input_ids"], batch["attention_mask"])
     results = {}
     for method in cfg.baselines:
@@ -312,7 +304,7 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set, col
             continue  # TIES and DARE are implemented for LoRA adapters (peft) only
         merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
         results[method] = {
-            "exact_match": exact_match(merged, tok, list(test_set["x"]), plan.in_play, bs, format=cfg.data.format),
+            "exact_match": task.evaluate_composition(merged, test_set, bs)["exact_match"],
             "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
         }
         if module.hparams.mode == "lora":
@@ -326,60 +318,41 @@ def write_divergence_map(composed: ComposedLM, rows, collate, path: Path) -> Non
     batch = collate([rows[i] for i in range(len(rows))])
     lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
     kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl")  # [k, B, T]
-    out = {"experts": list(composed.names), "inputs": list(rows["x"]), "outputs": list(rows["y"]),
-           "divergence": [], "masks": []}
-    for i in range(len(composed.names)):
-        out["divergence"].append([kl[i, b][batch["targets"][b] != -100].tolist() for b in range(len(rows))])
-        out["masks"].append([batch["masks"][b, i][batch["targets"][b] != -100].int().tolist() for b in range(len(rows))])
-    _atomic_write_text(path, json.dumps(out))
+    valid = batch["targets"] != IGNORE_INDEX
+    tokens = [[composed.tokenizer.decode([t]) for t in batch["targets"][b][valid[b]].tolist()] for b in range(len(rows))]
+    out = {"experts": list(composed.names), "inputs": list(rows["x"]), "outputs": list(rows["y"]), "tokens": tokens,
+           "divergence": [[kl[i, b][valid[b]].tolist() for b in range(len(rows))] for i in range(len(composed.names))],
+           "masks": [[batch["masks"][b, i][valid[b]].int().tolist() for b in range(len(rows))]
+                     for i in range(len(composed.names))]}
+    atomic_write_text(path, json.dumps(out))
 
 
 def run(cfg: DictConfig, command: str | None = None) -> dict:
     """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`)."""
     t0 = time.time()
-    check_ablations(cfg)
     plan = plan_run(cfg)
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")
     if not (plan.out / "tokenizer").is_dir():
-        _atomic_save(plan.tokenizer.save_pretrained, plan.out / "tokenizer")
+        atomic_save(plan.tokenizer.save_pretrained, plan.out / "tokenizer")
 
     background_path = background_stage(cfg, plan)
     timing = {"background_s": time.time() - t0}
-    module = dm = None
-    if plan.trained:
-        module, dm = experts_stage(cfg, plan, background_path)
+    module = experts_stage(cfg, plan, background_path) if plan.trained else None
     timing["experts_s"] = time.time() - t0 - timing["background_s"]
-    summary = {"experiment": cfg.experiment, "seed": cfg.seed, "command": command,
-               **composition_stage(cfg, plan, background_path, module, dm)}
+    summary = {"experiment": cfg.experiment, "task": cfg.task.name, "seed": cfg.seed, "command": command,
+               **composition_stage(cfg, plan, background_path, module)}
     timing["composition_s"] = time.time() - t0 - timing["background_s"] - timing["experts_s"]
     if cfg.ablations:
-        summary["ablations"] = run_ablations(cfg, plan.out, background_path)
+        summary["ablations"] = run_ablations(cfg, plan.out, background_path, plan.task, run)
         timing["ablations_s"] = time.time() - t0 - sum(timing.values())
     timing["total_s"] = time.time() - t0
     summary["timing"] = {k: round(v, 1) for k, v in timing.items()}
     summary["output_dir"] = str(plan.out)
     summary["export"] = str(plan.out / "export") if plan.trained else None
-    _atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
     if cfg.report:
         summary["report"] = str(write_report(summary, plan.out))
     return summary
-
-
-def _atomic_save(save_fn, path: Path) -> None:
-    """Write a folder through `save_fn(tmp)` and move it into place only once complete."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_fn(tmp)
-    if path.exists():
-        import shutil
-
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -21,20 +21,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    min_len: int = 8
-    max_len: int = 16
-    # generative: `<bos> x <sep> y <eos>`, decoded greedily; aligned: `<bos> x`, the logits at x_j predict
-    # y_j and the prediction is the argmax there (the paper's appendix set-up; corruption_prob is ignored).
-    format: str = "generative"
-    n_train: int = 8000
-    n_val: int = 500
-    n_test: int = 1000
+    """Batching, common to every task (the task's own settings live under `task:`)."""
+
     batch_size: int = 64  # rows per expert per step (k experts train on k × batch_size rows)
-    # Fraction of an expert's training inputs planted with one of its source letters.
-    source_prob: float = 0.5
-    # None: compositional inputs contain every expert's sources; else a random subset of at least this many.
-    compositional_min_experts: int | None = None
     num_workers: int = 0
 
 
@@ -70,10 +59,24 @@ class BackgroundConfig:
 
 
 @dataclass
-class ExpertSpec:
+class IntervalConfig:
+    """A skill interval (METHOD.md §2): open after `start` has been read, closed once `end` has been read.
+    `regex: true` reads both as regular expressions over the decoded text (`data.intervals`)."""
+
+    start: str = "???"
+    end: str = "???"
+    regex: bool = False
+
+
+@dataclass
+class ExpertConfig:
+    """One expert and what it owns: letter `rules` (letters task) or an `interval` (intervals, text)."""
+
     name: str = "???"
-    rules: dict[str, str] = field(default_factory=dict)
     weight: float = 1.0
+    rules: dict[str, str] | None = None
+    interval: IntervalConfig | None = None
+    data: list[str] = field(default_factory=list)  # its training files (text task)
 
 
 @dataclass
@@ -131,13 +134,15 @@ class TrainerConfig:
 class RunConfig:
     experiment: str = "letters"
     seed: int = 0
+    # The task: `name` (letters | intervals | text, data/tasks/) and that task's own settings.
+    task: Any = field(default_factory=lambda: {"name": "letters"})
     output_dir: str | None = None  # default: runs/<experiment>/<timestamp>
     ckpt_path: str | None = None  # "last": resume the interrupted stage from output_dir's checkpoints
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
     expert: ExpertTrainingConfig = field(default_factory=ExpertTrainingConfig)
-    experts: list[ExpertSpec] = field(default_factory=list)
+    experts: list[ExpertConfig] = field(default_factory=list)
     composition: CompositionConfig = field(default_factory=CompositionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Ablations (named override sets, lightning_modules/ablations.py) run as sub-runs for each k in
@@ -149,7 +154,6 @@ class RunConfig:
 
 
 CHOICES = {
-    "data.format": ("generative", "aligned"),
     "model.arch": ("llama", "gpt2"),
     "expert.mode": ("lora", "full", "head"),
     "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
@@ -167,14 +171,25 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, prefix: str = "") -> ConfigError:
     key = getattr(err, "full_key", None) or ""
+    key = f"{prefix}{key}" if key else key
     msg = getattr(err, "msg", str(err)).splitlines()[0]
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
         close = difflib.get_close_matches(key, _all_keys(schema), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         return ConfigError(f"{source}: unknown config key '{key}'{hint}")
     return ConfigError(f"{source}: bad value for '{key}': {msg}" if key else f"{source}: {msg}")
+
+
+def _merge(cfg: DictConfig, update: Any) -> DictConfig:
+    """Merge `update` over `cfg`; a `task.name` that switches task replaces the whole `task:` node (the old
+    task's settings mean nothing to the new one)."""
+    new_name = OmegaConf.select(update, "task.name") if isinstance(update, DictConfig) else None
+    if new_name is not None and new_name != OmegaConf.select(cfg, "task.name"):
+        cfg = cfg.copy()
+        cfg.task = {"name": new_name}
+    return OmegaConf.merge(cfg, update)
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
@@ -192,7 +207,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         except Exception as e:  # yaml errors, permissions
             raise ConfigError(f"cannot read config file {path}: {str(e).splitlines()[0]}") from None
         try:
-            cfg = OmegaConf.merge(cfg, loaded)
+            cfg = _merge(cfg, loaded)
         except OmegaConfBaseException as e:
             raise _explain(e, schema, path) from None
     if overrides:
@@ -200,10 +215,11 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            cfg = _merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         except OmegaConfBaseException as e:
             raise _explain(e, schema, "command line") from None
     validate(cfg)
+    cfg.task = resolve_task_config(cfg)
     return cfg
 
 
@@ -220,10 +236,49 @@ def validate(cfg: DictConfig) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"experts: duplicate expert name(s) {', '.join(dupes)}")
-    for key in ("background.corruption_prob", "expert.corruption_prob", "data.source_prob"):
+    for key in ("background.corruption_prob", "expert.corruption_prob"):
         if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {OmegaConf.select(cfg, key)}")
     if cfg.expert.reg_weight < 0:
         raise ConfigError(f"expert.reg_weight must be >= 0, got {cfg.expert.reg_weight}")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path}")
+
+
+def resolve_task_config(cfg: DictConfig) -> DictConfig:
+    """The `task:` node merged over its task's settings dataclass (unknown keys and bad values are errors)."""
+    from data.tasks import TaskError, task_class
+
+    node = OmegaConf.to_container(cfg.task, resolve=True) if isinstance(cfg.task, DictConfig) else cfg.task
+    if not isinstance(node, dict) or "name" not in node:
+        raise ConfigError("task: must be a mapping with a 'name' (letters, intervals or text)")
+    node = dict(node)
+    name = node.pop("name")
+    try:
+        schema = OmegaConf.structured(task_class(name).config_class)
+        merged = OmegaConf.merge(schema, node)
+        OmegaConf.to_object(merged)  # runs the settings' own checks (__post_init__)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    except OmegaConfBaseException as e:
+        raise _explain(e, OmegaConf.create({"task": schema}), "task", prefix="task.") from None
+    return OmegaConf.merge({"name": name}, merged)
+
+
+def task_settings(cfg: DictConfig):
+    """The task's settings object (an instance of its `config_class`) from a loaded config."""
+    node = OmegaConf.to_container(cfg.task, resolve=True)
+    name = node.pop("name")
+    from data.tasks import task_class
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(task_class(name).config_class), node))
+
+
+def expert_spec(expert: DictConfig) -> dict:
+    """An expert's mask spec as stored in the export manifest: `{"rules": ...}` and/or `{"interval": ...}`."""
+    spec = {}
+    if expert.rules is not None:
+        spec["rules"] = {str(k): str(v) for k, v in expert.rules.items()}
+    if expert.interval is not None:
+        spec["interval"] = OmegaConf.to_container(expert.interval, resolve=True)
+    return spec

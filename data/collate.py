@@ -1,0 +1,104 @@
+"""Batching task rows: padding, and prefix corruption (METHOD.md §5). No Lightning here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from losses import IGNORE_INDEX
+
+
+class Collator:
+    """Pad task rows (`data.tasks.base`) into a batch, optionally corrupting teacher-forced outputs.
+
+    Output (`B` rows, `T` = longest row, right padding): `input_ids` `[B, T]` (pad id), `attention_mask`
+    `[B, T]`, `targets` `[B, T]` (`-100` on padding), `masks` bool `[B, k, T]` (False on padding), and every
+    other numeric column (`expert_index`, `is_task`, `output_start`, ...) as a `[B]` tensor. String columns
+    are dropped.
+
+    Prefix corruption: each token of a row's output span (`output_start .. output_start + output_len - 1`)
+    is replaced with probability `corruption_prob` by a uniformly drawn *different* token of
+    `corruption_ids` (a token outside that set by any token of it), so for outputs drawn from the set
+    `corruption_prob` is exactly the expected fraction of changed tokens. `targets` stay clean. Draws come
+    from `generator` (default: torch's global RNG, which Lightning's `seed_everything` seeds and DataLoader
+    workers reseed per worker).
+
+    Args:
+        pad_token_id: the id padding `input_ids`.
+        corruption_ids: the tokens corruption draws from (letters, or a tokenizer's non-special tokens).
+        corruption_prob: in [0, 1]; 0 disables corruption.
+        generator: an explicit `torch.Generator` for the draws.
+    """
+
+    def __init__(self, pad_token_id: int, corruption_ids: Sequence[int] = (), corruption_prob: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
+        if not 0.0 <= corruption_prob <= 1.0:
+            raise ValueError(f"corruption_prob must be in [0, 1], got {corruption_prob}")
+        if corruption_prob > 0 and not corruption_ids:
+            raise ValueError("prefix corruption needs corruption_ids (the tokens it may write)")
+        self.pad_token_id = int(pad_token_id)
+        self.corruption_prob = float(corruption_prob)
+        self.generator = generator
+        self.corruption_ids = torch.tensor(list(corruption_ids), dtype=torch.long)
+        size = int(self.corruption_ids.max()) + 1 if len(self.corruption_ids) else 0
+        self._index = torch.full((size,), -1, dtype=torch.long)
+        self._index[self.corruption_ids] = torch.arange(len(self.corruption_ids))
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        if not rows:
+            raise ValueError("Collator got an empty list of rows")
+        lengths = [len(row["input_ids"]) for row in rows]
+        bsz, width = len(rows), max(lengths)
+        k = len(rows[0]["masks"])
+        input_ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
+        targets = torch.full((bsz, width), IGNORE_INDEX, dtype=torch.long)
+        masks = torch.zeros((bsz, k, width), dtype=torch.bool)
+        for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            if len(row["masks"]) != k:
+                raise ValueError(f"rows in one batch have different numbers of masks: row 0 has k={k}, "
+                                 f"row {b} has k={len(row['masks'])} (do not mix datasets of different experts)")
+            if len(row["targets"]) != n:
+                raise ValueError(f"row {b}: targets length {len(row['targets'])} != input_ids length {n}")
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[b, :n] = 1
+            targets[b, :n] = torch.as_tensor(row["targets"], dtype=torch.long)
+            if k:
+                masks[b, :, :n] = torch.as_tensor(row["masks"]).reshape(k, n).bool()
+        batch: dict[str, Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask,
+                                    "targets": targets, "masks": masks}
+        for key, value in rows[0].items():
+            if key in batch or isinstance(value, str):
+                continue
+            if isinstance(value, Tensor) and value.dim() == 0:
+                value = value.item()
+            if not isinstance(value, int | float):
+                raise ValueError(f"column {key!r} is neither a sequence column nor a scalar: {value!r}")
+            try:
+                values = [row[key] for row in rows]
+            except KeyError as err:
+                raise ValueError(f"column {key!r} is missing from some rows of the batch") from err
+            batch[key] = torch.as_tensor(values, dtype=torch.float32 if isinstance(value, float) else torch.long)
+        if self.corruption_prob > 0.0:
+            self._corrupt(batch)
+        return batch
+
+    def _corrupt(self, batch: dict[str, Tensor]) -> None:
+        if "output_start" not in batch or "output_len" not in batch:
+            raise ValueError("prefix corruption needs the output_start and output_len columns")
+        input_ids = batch["input_ids"]
+        pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        start = batch["output_start"].unsqueeze(1)
+        in_output = (pos >= start) & (pos < start + batch["output_len"].unsqueeze(1))
+        chosen = in_output & (torch.rand(input_ids.shape, generator=self.generator) < self.corruption_prob)
+        ids = input_ids[chosen]
+        known = ids < len(self._index)
+        current = torch.full_like(ids, -1)
+        current[known] = self._index[ids[known]]
+        n = len(self.corruption_ids)
+        if n > 1:
+            shift = torch.randint(1, n, current.shape, generator=self.generator)
+            input_ids[chosen] = self.corruption_ids[(current + shift) % n]

@@ -1,0 +1,162 @@
+"""The task seam: everything the pipeline needs from a task, and nothing else.
+
+A task owns its tokenizer, its rows and the decoding-side evaluation of a composed model. The pipeline
+(`lightning_modules/pipeline/`: stages, callbacks, ablations, report, config) only ever calls the methods
+below, so adding a task means adding one class here and registering it in `data/tasks/__init__.py`.
+
+Rows are `datasets.Dataset`s with these columns (the collator pads them):
+
+* `input_ids` (list[int]), `targets` (list[int], already shifted: `logits[:, t]` is scored against
+  `targets[:, t]`; `-100` = not scored), `masks` (k lists of 0/1 over the positions of `targets`: 1 where
+  that expert may differ from the background);
+* `output_start`, `output_len` (int): the span of teacher-forced output tokens that prefix corruption may
+  replace (`data.collate.Collator`);
+* expert training rows also carry `expert_index` (index into the trained experts), `is_task` (1: the task
+  loss scores every target; 0: a regularizer row) and `task_on_mask` (1: the targets on the expert's own
+  mask are its skill's outputs, so the task loss scores them there too);
+* compositional rows carry `x` (the input, as text) and `y` (the reference output, as text).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import datasets
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from compose import ComposedLM
+
+SPLITS = ("train", "val", "test")
+EVAL_SPLITS = ("val", "test")
+REG_DATA_CHOICES = ("own", "background", "composition", "own+background")
+
+
+class TaskError(ValueError):
+    """Bad task input (a data file, a row, an interval spec, a tokenizer): one line naming it."""
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One expert as a task sees it.
+
+    Attributes:
+        name: unique name (adapter name, manifest name, metric prefix).
+        spec: the expert's mask spec, what it owns: `{"rules": {"A": "B"}}` (letter task) or
+            `{"interval": {"start": "[", "end": "]"}}` (interval and text tasks). Stored as is in the
+            export manifest.
+        weight: its composition weight `w_i`.
+        data: its training files (text task); empty for synthetic tasks.
+    """
+
+    name: str
+    spec: Mapping[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    data: tuple[str, ...] = ()
+
+
+class Task(ABC):
+    """A task: tokenizer, rows, and the decoding-side evaluation of a composed model.
+
+    Args:
+        cfg: the task's own settings (an instance of `config_class`, built from the `task:` config node).
+        experts: every expert in play, trained in this run or loaded from earlier exports, in composition
+            order. Compositional rows carry one mask per expert, in this order.
+        trained: names of the experts trained in this run (default: all); `expert_index` indexes this list.
+        reg_data: regularizer rows for the trained experts, one of `REG_DATA_CHOICES` (a task that cannot
+            make a kind raises `TaskError`).
+        seed: base seed of every split.
+        tokenizer: a tokenizer to use instead of the task's own (e.g. a pretrained model's); tasks that
+            need a specific tokenizer may refuse it.
+        allow_overlap: accept experts whose masks or intervals may overlap (reported in `notes`).
+
+    Construction checks everything the task can check without training (files, fields, specs, overlaps)
+    and raises `TaskError` (one line naming the file, row or key) on bad input.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+
+    def __init__(self, cfg: Any, experts: Sequence[Expert], *, trained: Sequence[str] | None = None,
+                 reg_data: str = "own", seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None,
+                 allow_overlap: bool = False) -> None:
+        self.cfg, self.experts, self.seed = cfg, list(experts), seed
+        self.trained = [e.name for e in self.experts] if trained is None else list(trained)
+        unknown = [n for n in self.trained if n not in self.expert_names]
+        if unknown:
+            raise TaskError(f"trained experts {unknown} are not among the experts in play {self.expert_names}")
+        if reg_data not in REG_DATA_CHOICES:
+            raise TaskError(f"reg_data={reg_data!r} is not one of {', '.join(REG_DATA_CHOICES)}")
+        self.reg_data, self.allow_overlap = reg_data, allow_overlap
+
+    # --- what the pipeline reads -----------------------------------------------------------------
+    @property
+    @abstractmethod
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer every component shares (saved with the run and the export)."""
+
+    @property
+    def expert_names(self) -> list[str]:
+        return [e.name for e in self.experts]
+
+    @property
+    def notes(self) -> list[str]:
+        """Human-readable remarks for the summary (e.g. overlapping experts that were allowed)."""
+        return []
+
+    @abstractmethod
+    def background_dataset(self, split: str) -> datasets.Dataset:
+        """Rows for the background (`masks` has k = 0 rows)."""
+
+    @abstractmethod
+    def expert_dataset(self, split: str) -> datasets.Dataset:
+        """Rows for training (`split="train"`) or validating the experts of `self.trained`.
+
+        Training rows: each expert's task rows (`is_task=1`) plus regularizer rows chosen by
+        `self.reg_data`. Every row has `masks` of k = 1 (its own expert's mask) and `expert_index` into
+        `self.trained`. Validation/test rows: each expert's held-out task rows.
+        """
+
+    @abstractmethod
+    def compositional_dataset(self, split: str) -> datasets.Dataset:
+        """Held-out rows (`val` or `test`) that need several experts at once; targets are the composed
+        reference, `masks` has one row per expert in play, and `x`/`y` hold the input and reference text."""
+
+    @abstractmethod
+    def collator(self, corruption_prob: float = 0.0) -> Callable[[list[dict]], dict[str, Tensor]]:
+        """Pads rows into a batch (`data.collate.Collator`), corrupting prefixes at `corruption_prob`."""
+
+    @abstractmethod
+    def evaluate_background(self, model: ComposedLM, split: str, batch_size: int) -> dict[str, float]:
+        """Decode the background's held-out rows; at least `exact_match`."""
+
+    @abstractmethod
+    def evaluate_expert(self, model: ComposedLM, name: str, split: str, batch_size: int) -> dict[str, float]:
+        """Decode expert `name` alone (`model` = background + that expert) on its held-out task rows;
+        at least `exact_match`."""
+
+    @abstractmethod
+    def evaluate_composition(self, model: ComposedLM, dataset: datasets.Dataset,
+                             batch_size: int) -> dict[str, float]:
+        """Decode `model` (background + every expert in play, in order) on compositional rows:
+        at least `exact_match` and `<expert>/skill_accuracy` per expert; optionally `failures/<kind>`.
+        The pipeline adds the teacher-forced metrics (`compose.evaluation.teacher_forced_metrics`)."""
+
+    def standard_experts(self, k: int) -> list[dict]:
+        """k disjoint experts as config entries (for the `ablation_ks` sweep); tasks without one raise."""
+        raise TaskError(f"task {self.name!r} cannot make a standard set of {k} experts (ablation_ks)")
+
+    # --- shared by every task ---------------------------------------------------------------------
+    def composition_metrics(self, model: ComposedLM, dataset: datasets.Dataset, batch_size: int,
+                            active_threshold: float = 0.01) -> dict[str, float]:
+        """Everything the composition is judged by on compositional rows: the task's decoding metrics
+        (`evaluate_composition`) and the teacher-forced ones (`compose.evaluation.teacher_forced_metrics`)."""
+        from compose.evaluation import teacher_forced_metrics
+
+        results = self.evaluate_composition(model, dataset, batch_size)
+        results |= teacher_forced_metrics(model, dataset, self.collator(), batch_size, active_threshold)
+        return results

@@ -1,0 +1,291 @@
+"""The letter-replacement task (METHOD.md §3, §5) behind the task seam.
+
+Background: copy `x`. Expert: a `RuleSet` such as `{"A": "B"}` applied position-wise; its mask is the
+output positions aligned with its source letters. Generative rows `<bos> x <sep> y <eos>` are decoded
+greedily; position-aligned rows `<bos> x` (the paper's appendix) are judged by the argmax at each position.
+
+Every split is drawn from its own seed derived from the run's seed (and the expert's *name*, so adding an
+expert leaves the others' data unchanged); validation inputs avoid the training inputs and test inputs
+avoid both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import datasets
+import torch
+
+from compose.metrics import ExactMatch, FailureTypes, SkillAccuracy
+from data.collate import Collator
+from data.splits import derive_seed, draw_excluding
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
+from data.tasks.letters.rules import (
+    RuleSet,
+    aligned_batch,
+    apply_rules,
+    compositional_inputs,
+    dataset_builder,
+    decode_outputs,
+    expert_inputs,
+    prompt_batch,
+    sample_strings,
+    validate_rule_sets,
+)
+from data.tokenizer import build_char_tokenizer, letter_ids, validate_alphabet
+
+
+@dataclass
+class LettersConfig:
+    """Settings of the letter task (the `task:` config node with `name: letters`).
+
+    Attributes:
+        alphabet: the letters (the character tokenizer is built from them).
+        min_len, max_len: input lengths are uniform in `[min_len, max_len]`.
+        format: `generative` (`<bos> x <sep> y <eos>`, decoded greedily) or `aligned` (`<bos> x`, the logits
+            at `x[j]` predict `y[j]`; prefix corruption does not apply).
+        n_train, n_val, n_test: rows per split *per expert* (the same count again for each expert's
+            regularizer rows when `reg_data` adds any; the background's copy rows count once).
+        source_prob: fraction of an expert's inputs planted with one of its source letters.
+        compositional_min_experts: None: compositional inputs contain a source of every expert in play;
+            otherwise of a random subset of at least this many (>= 2).
+    """
+
+    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    min_len: int = 8
+    max_len: int = 16
+    format: str = "generative"
+    n_train: int = 8000
+    n_val: int = 500
+    n_test: int = 1000
+    source_prob: float = 0.5
+    compositional_min_experts: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            validate_alphabet(self.alphabet)
+        except ValueError as e:
+            raise TaskError(f"task.alphabet: {e}") from None
+        if self.min_len < 1 or self.max_len < self.min_len:
+            raise TaskError(f"task: need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
+        if self.format not in ("generative", "aligned"):
+            raise TaskError(f"task.format={self.format!r} is not one of generative, aligned")
+        for key in ("n_train", "n_val", "n_test"):
+            if getattr(self, key) < 1:
+                raise TaskError(f"task.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.source_prob <= 1.0:
+            raise TaskError(f"task.source_prob must be in [0, 1], got {self.source_prob}")
+        m = self.compositional_min_experts
+        if m is not None and m < 2:
+            raise TaskError(f"task.compositional_min_experts must be None or >= 2, got {m}")
+
+
+class LettersTask(Task):
+    """Letter replacement: experts own letter rules (`experts[i].rules`)."""
+
+    name = "letters"
+    config_class = LettersConfig
+
+    def __init__(self, cfg: LettersConfig, experts: Sequence[Expert], **kwargs) -> None:
+        super().__init__(cfg, experts, **kwargs)
+        rule_sets = []
+        for e in self.experts:
+            if "rules" not in e.spec or set(e.spec) != {"rules"}:
+                raise TaskError(f"expert {e.name!r}: the letters task needs `rules` (and no other mask spec), "
+                                f"got {sorted(e.spec) or 'none'}")
+            rule_sets.append(RuleSet(e.name, dict(e.spec["rules"])))
+        try:
+            self._overlaps = validate_rule_sets(rule_sets, cfg.alphabet, allow_overlap=self.allow_overlap)
+        except ValueError as e:
+            raise TaskError(f"experts: {e}") from None
+        m = cfg.compositional_min_experts
+        if m is not None and m > len(rule_sets):
+            raise TaskError(f"task.compositional_min_experts={m} exceeds the {len(rule_sets)} experts in play")
+        self.rule_sets = rule_sets
+        self._trained_rules = [rule_sets[self.expert_names.index(n)] for n in self.trained]
+        self._tokenizer = build_char_tokenizer(cfg.alphabet)
+        self._build = dataset_builder(cfg.format)
+        self._background: dict[str, datasets.Dataset] = {}
+        self._experts: dict[str, datasets.Dataset] = {}
+        self._expert_inputs: dict[str, list[list[str]]] = {}
+        self._compositional: dict[str, list[str]] = {}
+        self._compositional_rows: dict[str, datasets.Dataset] = {}
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._overlaps)
+
+    def standard_experts(self, k: int) -> list[dict]:
+        """Disjoint single-letter experts A→B, C→D, E→F, ..."""
+        alphabet = self.cfg.alphabet
+        if 2 * k > len(alphabet):
+            raise TaskError(f"k={k} experts with disjoint single-letter rules need {2 * k} letters; "
+                            f"the alphabet has {len(alphabet)}")
+        return [{"name": f"{alphabet[2 * i]}_to_{alphabet[2 * i + 1]}", "rules": {alphabet[2 * i]: alphabet[2 * i + 1]}}
+                for i in range(k)]
+
+    def collator(self, corruption_prob: float = 0.0) -> Collator:
+        # Aligned rows have no teacher-forced outputs: their output span is the input x itself.
+        prob = 0.0 if self.cfg.format == "aligned" else corruption_prob
+        return Collator(self._tokenizer.pad_token_id, letter_ids(self._tokenizer, self.cfg.alphabet), prob)
+
+    # --- rows -------------------------------------------------------------------------------------
+    def _strings(self, n: int, seed: int) -> Callable[[int], list[str]]:
+        c = self.cfg
+        return lambda attempt: sample_strings(n, c.alphabet, c.min_len, c.max_len, derive_seed(seed, attempt))
+
+    def _compositional_maker(self, n: int, seed: int) -> Callable[[int], list[str]]:
+        c = self.cfg
+        return lambda attempt: compositional_inputs(n, c.alphabet, c.min_len, c.max_len, derive_seed(seed, attempt),
+                                                    self.rule_sets, c.compositional_min_experts)
+
+    def background_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, SPLITS)
+        if not self._background:
+            c, seen = self.cfg, set()
+            for name, n in (("train", c.n_train), ("val", c.n_val), ("test", c.n_test)):
+                xs = draw_excluding(self._strings(n, derive_seed(self.seed, "background", name)), n, seen,
+                                    f"background {name}")
+                seen.update(xs)
+                self._background[name] = self._build(xs, [], [], self._tokenizer)
+        return self._background[split]
+
+    def expert_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, SPLITS)
+        self._build_expert_splits()
+        return self._experts[split]
+
+    def _build_expert_splits(self) -> None:
+        """Every expert split and the compositional val/test inputs, in one pass so they are disjoint."""
+        if self._experts:
+            return
+        c, tok, seen = self.cfg, self._tokenizer, set()
+        for split, n in (("train", c.n_train), ("val", c.n_val), ("test", c.n_test)):
+            parts, self._expert_inputs[split] = [], []
+            for i, rs in enumerate(self._trained_rules):
+                seed = derive_seed(self.seed, "expert", rs.name, split)
+
+                def make(attempt: int, n: int = n, seed: int = seed, rs: RuleSet = rs) -> list[str]:
+                    return expert_inputs(n, c.alphabet, c.min_len, c.max_len, derive_seed(seed, attempt), rs,
+                                         c.source_prob)
+
+                xs = draw_excluding(make, n, seen, f"expert {rs.name!r} {split}")
+                self._expert_inputs[split].append(xs)
+                parts.append(self._build(xs, [rs], [rs], tok, {"expert_index": i, "is_task": 1, "task_on_mask": 1}))
+                if split == "train":
+                    parts.extend(self._regularizer_rows(i, rs, n))
+            for xs in self._expert_inputs[split]:
+                seen.update(xs)
+            if split == "train":
+                for part in parts:
+                    seen.update(part["x"])
+            else:
+                make = self._compositional_maker(n, derive_seed(self.seed, "compositional", split))
+                self._compositional[split] = draw_excluding(make, n, seen, f"compositional {split}")
+                seen.update(self._compositional[split])
+            self._experts[split] = datasets.concatenate_datasets(parts) if parts else None
+
+    def _regularizer_rows(self, i: int, rs: RuleSet, n: int) -> list[datasets.Dataset]:
+        extra = {"expert_index": i, "is_task": 0}
+        if self.reg_data in ("background", "own+background"):
+            xs = self._strings(n, derive_seed(self.seed, "regularizer-copy", rs.name))(0)
+            return [self._build(xs, [], [rs], self._tokenizer, {**extra, "task_on_mask": 0})]
+        if self.reg_data == "composition":
+            xs = self._compositional_maker(n, derive_seed(self.seed, "regularizer-composition", rs.name))(0)
+            return [self._build(xs, self.rule_sets, [rs], self._tokenizer, {**extra, "task_on_mask": 1})]
+        return []
+
+    def compositional_dataset(self, split: str) -> datasets.Dataset:
+        _check_split(split, EVAL_SPLITS)
+        self._build_expert_splits()
+        if split not in self._compositional_rows:
+            self._compositional_rows[split] = self._build(self._compositional[split], self.rule_sets,
+                                                          self.rule_sets, self._tokenizer)
+        return self._compositional_rows[split]
+
+    # --- evaluation -------------------------------------------------------------------------------
+    def outputs(self, model, xs: Sequence[str], batch_size: int) -> tuple[list[str], list[bool]]:
+        """Greedy outputs (letters up to <eos>) and whether each ended with <eos>; for the aligned format
+        the argmax at the positions holding `x` (every output counts as ended)."""
+        return (aligned_outputs if self.cfg.format == "aligned" else greedy_outputs)(model, self._tokenizer, xs,
+                                                                                     batch_size)
+
+    def _exact_match(self, model, xs: Sequence[str], rule_sets: Sequence[RuleSet], batch_size: int) -> float:
+        preds, ended = self.outputs(model, xs, batch_size)
+        metric = ExactMatch()
+        metric.update(preds, [apply_rules(x, rule_sets) for x in xs], ended)
+        return float(metric.compute())
+
+    def evaluate_background(self, model, split: str, batch_size: int) -> dict[str, float]:
+        _check_split(split, EVAL_SPLITS)
+        xs = list(self.background_dataset(split)["x"])
+        return {"exact_match": self._exact_match(model, xs, [], batch_size)}
+
+    def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
+        _check_split(split, EVAL_SPLITS)
+        self._build_expert_splits()
+        i = self.trained.index(name)
+        return {"exact_match": self._exact_match(model, self._expert_inputs[split][i], [self._trained_rules[i]],
+                                                 batch_size)}
+
+    def evaluate_composition(self, model, dataset: datasets.Dataset, batch_size: int) -> dict[str, float]:
+        """Exact match, per-skill accuracy (the letters at each expert's source positions) and failure types."""
+        xs, ys = list(dataset["x"]), list(dataset["y"])
+        preds, ended = self.outputs(model, xs, batch_size)
+        em, failures = ExactMatch(), FailureTypes()
+        em.update(preds, ys, ended)
+        results = {"exact_match": float(em.compute())}
+        # Position-aligned letters as code points ([N, L], -100 past each reference's end).
+        width = max((len(y) for y in ys), default=0)
+        codes = lambda text: [ord(c) for c in text[:width]] + [-100] * (width - len(text[:width]))  # noqa: E731
+        pred_codes, ref_codes = torch.tensor([codes(p) for p in preds]), torch.tensor([codes(y) for y in ys])
+        for rs in self.rule_sets:
+            skill = SkillAccuracy()
+            skill.update(pred_codes, ref_codes, torch.tensor([[c in rs.sources for c in x.ljust(width)] for x in xs]))
+            results[f"{rs.name}/skill_accuracy"] = float(skill.compute())
+        sources = set().union(*(rs.sources for rs in self.rule_sets))
+        failures.update(preds, ys, xs, ended, [{j for j, c in enumerate(x) if c in sources} for x in xs])
+        for kind, frac in failures.compute().items():
+            results[f"failures/{kind}"] = float(frac)
+        return results
+
+
+def _check_split(split: str, allowed: Sequence[str]) -> None:
+    if split not in allowed:
+        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
+
+
+@torch.no_grad()
+def greedy_outputs(model, tokenizer, xs: Sequence[str], batch_size: int = 250) -> tuple[list[str], list[bool]]:
+    """Greedy outputs of `<bos> x <sep>` (letters up to <eos>, at most `len(x) + 2` new tokens) and whether
+    each ended with <eos>."""
+    texts, ended = [], []
+    for start in range(0, len(xs), batch_size):
+        chunk = list(xs[start:start + batch_size])
+        ids, attn = prompt_batch(tokenizer, chunk)
+        out = model.generate(ids.to(model.device), attn.to(model.device), max_new_tokens=max(map(len, chunk)) + 2,
+                             do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for text, eos in decode_outputs(tokenizer, out.cpu(), ids.shape[1]):
+            texts.append(text)
+            ended.append(eos)
+    return texts, ended
+
+
+@torch.no_grad()
+def aligned_outputs(model, tokenizer, xs: Sequence[str], batch_size: int = 250) -> tuple[list[str], list[bool]]:
+    """Position-aligned predictions: the argmax of the composed log-probs at the positions holding
+    `x[0] .. x[n-1]` of `<bos> x` (right-padded), decoded with special tokens kept (so a malformed prediction
+    never matches a letter string). Every output counts as ended."""
+    texts: list[str] = []
+    for start in range(0, len(xs), batch_size):
+        chunk = list(xs[start:start + batch_size])
+        ids, attn = aligned_batch(tokenizer, chunk)
+        best = model.score(ids.to(model.device), attn.to(model.device)).argmax(-1).cpu()
+        texts += [tokenizer.decode(best[b, 1:1 + len(x)].tolist(), skip_special_tokens=False)
+                  for b, x in enumerate(chunk)]
+    return texts, [True] * len(texts)
