@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from compose.common import eval_mode
+from compose.export import load_export
 from compose.operator import compose_logprobs
 
 BASE_ADAPTER = "__base__"
@@ -150,12 +151,14 @@ class ComposedLM(nn.Module):
         each LoRA into its own full copy of the background. Full-model experts need ``"separate"``.
         ``composition="gated"`` gates each expert by the ``interval`` of its stored spec.
         """
-        from compose.export import load_composition
-
-        composition = _check_composition(composition)
-        composed = load_composition(path, backend=backend, device=device)
-        composed.composition = composition
-        return composed
+        loaded = load_export(path, backend=backend)
+        common = dict(weights=loaded.weights, tokenizer=loaded.tokenizer, specs=loaded.specs, composition=composition)
+        if isinstance(loaded.experts, list):
+            composed = cls(loaded.background, loaded.experts, names=loaded.names, **common)
+        else:
+            composed = cls.from_peft(loaded.experts, loaded.names, **common)
+        composed.extra = loaded.extra
+        return composed if device is None else composed.to(device)
 
     def _setup(
         self,

@@ -32,6 +32,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -358,21 +359,33 @@ def _required_files(manifest: dict) -> list[str]:
 # ---------------------------------------------------------------------- loading
 
 
-def load_composition(
-    path: str | os.PathLike, *, backend: str = "adapters", device: torch.device | str | None = None
-):
-    """Load an export as a :class:`compose.ComposedLM` (what ``ComposedLM.from_manifest`` calls).
+@dataclass
+class LoadedExport:
+    """An export's components, checked and loaded (what `ComposedLM.from_manifest` composes).
+
+    `experts` is a `PeftModel` holding every LoRA adapter (adapters backend) or a list of full models
+    (separate backend); `specs` and `weights` are one per expert, in manifest order.
+    """
+
+    tokenizer: Any
+    background: Any
+    experts: Any
+    names: list[str]
+    weights: list[float]
+    specs: list[dict]
+    extra: dict
+
+
+def load_export(path: str | os.PathLike, *, backend: str = "adapters") -> LoadedExport:
+    """Verify and load an export's components.
 
     Verifies checksums, loads the tokenizer from ``tokenizer/`` and checks it fits the background's
     vocabulary. ``backend="adapters"``: every expert must be LoRA; they are loaded into one PeftModel
     (``PeftModel.from_pretrained`` + ``load_adapter``). With no experts at all, the separate backend is
     returned (there is nothing to batch). ``backend="separate"``: each LoRA is merged into its own deep
     copy of the background (``merge_and_unload``); full-model experts are loaded as they are.
-    The manifest's specs and extra are attached as ``.specs`` (one per expert, in order) and ``.extra``.
     """
     from peft import PeftModel
-
-    from compose.composed_lm import ComposedLM
 
     if backend not in ("adapters", "separate"):
         raise ValueError(f"backend must be 'adapters' or 'separate', got {backend!r}")
@@ -384,31 +397,25 @@ def load_composition(
     bg_dir = root / bg["path"] if "path" in bg else _resolve_ref(root, bg["ref"])
     background = _load_model(bg_dir)
     check_vocab(tokenizer, background.config.get_text_config().vocab_size, str(root / manifest["tokenizer"]))
-    experts = manifest["experts"]
-    names = [e["name"] for e in experts]
-    weights = [e["weight"] for e in experts]
-    if backend == "adapters" and experts:
-        full = [e["name"] for e in experts if e["kind"] != "lora"]
+    entries = manifest["experts"]
+    names = [e["name"] for e in entries]
+    if backend == "adapters" and entries:
+        full = [e["name"] for e in entries if e["kind"] != "lora"]
         if full:
             raise ValueError(f"experts {full} are full models; load them with backend='separate'")
-        peft_model = PeftModel.from_pretrained(background, str(root / experts[0]["path"]), adapter_name=names[0])
-        for e in experts[1:]:
-            peft_model.load_adapter(str(root / e["path"]), adapter_name=e["name"])
-        composed = ComposedLM.from_peft(peft_model, names, weights=weights, tokenizer=tokenizer)
+        experts = PeftModel.from_pretrained(background, str(root / entries[0]["path"]), adapter_name=names[0])
+        for e in entries[1:]:
+            experts.load_adapter(str(root / e["path"]), adapter_name=e["name"])
     else:
-        models = []
-        for e in experts:
+        experts = []
+        for e in entries:
             if e["kind"] == "lora":
                 wrapped = PeftModel.from_pretrained(copy.deepcopy(background), str(root / e["path"]))
-                models.append(wrapped.merge_and_unload())
+                experts.append(wrapped.merge_and_unload())
             else:
-                models.append(_load_model(root / e["path"]))
-        composed = ComposedLM(background, models, weights=weights, names=names, tokenizer=tokenizer)
-    composed.specs = [e["spec"] for e in experts]
-    composed.extra = manifest["extra"]
-    if device is not None:
-        composed.to(device)
-    return composed
+                experts.append(_load_model(root / e["path"]))
+    return LoadedExport(tokenizer, background, experts, names, [e["weight"] for e in entries],
+                        [e["spec"] for e in entries], manifest["extra"])
 
 
 def _load_model(folder: Path):
