@@ -163,27 +163,26 @@ def sample_text(rng: random.Random, cfg: IntervalsConfig, kinds: Sequence[_Kind]
                 keep: Sequence[int] = ()) -> str:
     """Random plain text holding `counts[i]` segments of `kinds[i]` in random order.
 
-    The length is uniform in `[min_len, max_len]` (raised to fit one segment of each kind in `keep`);
-    segments that cannot fit are dropped at random, never the last one of a kind in `keep`, and segment
-    contents are shortened until the row fits.
+    Segment contents are uniform in `[min_segment_len, max_segment_len]`; when the segments cannot fit in
+    `max_len`, random segments are dropped (never the last one of a kind in `keep`) and random contents
+    shortened until they do. The length is then uniform between what the segments need (or `min_len`)
+    and `max_len`; the plain text fills the gaps (at least one character between two segments).
     """
     order = [i for i, c in enumerate(counts) for _ in range(c)]
     rng.shuffle(order)
     lo = cfg.min_segment_len
-
-    def delimiters(segs: Sequence[int]) -> int:
-        return sum(kinds[i].footprint(0) for i in segs)
-
-    def least(segs: Sequence[int]) -> int:  # shortest row holding `segs`: contents of `lo`, gaps of 1
-        return delimiters(segs) + lo * len(segs) + max(len(segs) - 1, 0)
-
-    length = rng.randint(max(cfg.min_len, least(sorted(set(keep)))), cfg.max_len)
-    while least(order) > length:
-        spare = [p for p, i in enumerate(order) if i not in keep or order.count(i) > 1]
-        order.pop(rng.choice(spare))
     lengths = [rng.randint(lo, cfg.max_segment_len) for _ in order]
-    _shrink(rng, lengths, least(order) - lo * len(order) + sum(lengths) - length, lo)
-    gaps = _gaps(rng, length - delimiters(order) - sum(lengths), len(order))
+
+    def size(segs: Sequence[int], contents: Sequence[int]) -> int:  # delimiters, contents, inner gaps of 1
+        return sum(kinds[i].footprint(n) for i, n in zip(segs, contents, strict=True)) + max(len(segs) - 1, 0)
+
+    while size(order, [lo] * len(order)) > cfg.max_len:
+        p = rng.choice([p for p, i in enumerate(order) if i not in keep or order.count(i) > 1])
+        del order[p], lengths[p]
+    _shrink(rng, lengths, size(order, lengths) - cfg.max_len, lo)
+    length = rng.randint(max(cfg.min_len, size(order, lengths)), cfg.max_len)
+    delimiters = sum(kinds[i].footprint(0) for i in order)
+    gaps = _gaps(rng, length - delimiters - sum(lengths), len(order))
     text = lambda n: "".join(rng.choice(cfg.alphabet) for _ in range(n))  # noqa: E731
     pieces = [text(gaps[0])]
     for i, n, gap in zip(order, lengths, gaps[1:], strict=True):
@@ -300,10 +299,10 @@ class IntervalsTask(Task):
         return sample_text(rng, c, self.kinds, counts, keep=list(chosen))
 
     def _splits(self, group: str, draw: Callable[[random.Random], str], splits: Sequence[str],
-                exclude: set[str] = frozenset()) -> dict[str, list[str]]:
-        """Inputs per split (cached under `group`), each disjoint from the earlier ones and `exclude`."""
+                exclude: Callable[[], set[str]] = set) -> dict[str, list[str]]:
+        """Inputs per split (cached under `group`), each disjoint from the earlier ones and from `exclude()`."""
         if group not in self._inputs:
-            seen, out = set(exclude), {}
+            seen, out = exclude(), {}
             for split in splits:
                 n = getattr(self.cfg, f"n_{split}")
                 out[split] = draw_excluding(self._maker(derive_seed(self.seed, group, split), n, draw), n, seen,
@@ -322,15 +321,21 @@ class IntervalsTask(Task):
         """Held-out compositional inputs, disjoint from the background's and every expert's training inputs."""
         if not self.kinds:
             raise TaskError("task 'intervals': compositional rows need at least one expert")
-        seen = set(self._background_inputs()["train"])
-        for i in range(len(self.kinds)):
-            seen.update(self._expert_inputs(i)["train"])
-        return self._splits("compositional", self._compositional_row, EVAL_SPLITS, seen)
+
+        def training_inputs() -> set[str]:
+            seen = set(self._background_inputs()["train"])
+            for i in range(len(self.kinds)):
+                seen.update(self._expert_inputs(i)["train"])
+            return seen
+
+        return self._splits("compositional", self._compositional_row, EVAL_SPLITS, training_inputs)
 
     def _regularizer_inputs(self, i: int, kind: str) -> list[str]:
         """Training inputs for expert `i`'s regularizer rows (`copy` or `composition`), disjoint from its own
         and the compositional held-out inputs (so they never change those)."""
-        held_out = {x for s in EVAL_SPLITS for x in (*self._expert_inputs(i)[s], *self._compositional_inputs()[s])}
+        def held_out() -> set[str]:
+            return {x for s in EVAL_SPLITS for x in (*self._expert_inputs(i)[s], *self._compositional_inputs()[s])}
+
         draw = self._background_row if kind == "copy" else self._compositional_row
         return self._splits(f"regularizer-{kind}/{self.kinds[i].name}", draw, ["train"], held_out)["train"]
 
