@@ -20,8 +20,8 @@ SMALL = IntervalsConfig(n_train=120, n_val=40, n_test=40)
 SEGMENT = re.compile(r"\[([a-z]+)\]|\(([a-z]+)\)")
 
 
-def make_task(experts=(UPPER, REVERSE), cfg: IntervalsConfig = SMALL, seed: int = 0) -> IntervalsTask:
-    return task_class("intervals")(cfg, list(experts), seed=seed)
+def make_task(experts=(UPPER, REVERSE), cfg: IntervalsConfig = SMALL, seed: int = 0, **kwargs) -> IntervalsTask:
+    return task_class("intervals")(cfg, list(experts), seed=seed, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,9 @@ def test_background_rows_copy_every_kind(task):
 
 
 @pytest.mark.parametrize("split", ["train", "val", "test"])
-def test_expert_task_rows(task, split):
-    rows = task.expert_dataset(split, ["upper", "reverse"], "own")
+def test_expert_task_rows(split):
+    task = make_task(trained=["upper", "reverse"], reg_data="own")
+    rows = task.expert_dataset(split)
     assert len(rows) == 2 * getattr(SMALL, f"n_{split}")
     for row in rows:
         name = ["upper", "reverse"][row["expert_index"]]
@@ -110,8 +111,9 @@ def test_compositional_rows_hold_both_kinds_in_varying_order(task):
 
 
 @pytest.mark.parametrize("reg_data", ["own", "background", "own+background", "composition"])
-def test_regularizer_rows(task, reg_data):
-    rows = task.expert_dataset("train", ["reverse"], reg_data)
+def test_regularizer_rows(reg_data):
+    task = make_task(trained=["reverse"], reg_data=reg_data)
+    rows = task.expert_dataset("train")
     task_rows = rows.filter(lambda r: r["is_task"] == 1)
     reg = rows.filter(lambda r: r["is_task"] == 0)
     assert len(task_rows) == SMALL.n_train and set(task_rows["expert_index"]) == {0}
@@ -130,8 +132,8 @@ def test_regularizer_rows(task, reg_data):
 
 def test_skill_mapping_and_other_delimiters():
     caps = Expert("caps", {"interval": {"start": "{", "end": "}"}})
-    task = make_task([caps], replace(SMALL, skills={"caps": "upper"}))
-    row = next(r for r in task.expert_dataset("val", ["caps"]) if "{" in r["x"])
+    task = make_task([caps], replace(SMALL, skills={"caps": "upper"}), trained=["caps"])
+    row = next(r for r in task.expert_dataset("val") if "{" in r["x"])
     assert row["y"] == re.sub(r"\{([a-z]+)\}", lambda m: "{" + m.group(1).upper() + "}", row["x"])
     check_row(task, row, [("{", "}")])
 
@@ -141,31 +143,32 @@ def test_skill_mapping_and_other_delimiters():
 def test_splits_are_disjoint(task):
     bg = {s: set(task.background_dataset(s)["x"]) for s in ("train", "val", "test")}
     assert not bg["train"] & bg["val"] and not bg["train"] & bg["test"] and not bg["val"] & bg["test"]
+    alone = {name: make_task(trained=[name]) for name in ("upper", "reverse")}
     for name in ("upper", "reverse"):
-        ex = {s: set(task.expert_dataset(s, [name])["x"]) for s in ("train", "val", "test")}
+        ex = {s: set(alone[name].expert_dataset(s)["x"]) for s in ("train", "val", "test")}
         assert not ex["train"] & ex["val"] and not ex["train"] & ex["test"] and not ex["val"] & ex["test"]
     comp = {s: set(task.compositional_dataset(s)["x"]) for s in ("val", "test")}
     assert not comp["val"] & comp["test"]
     train = set(bg["train"])
     for reg_data in ("background", "composition"):
-        train |= set(task.expert_dataset("train", ["upper", "reverse"], reg_data)["x"])
+        train |= set(make_task(trained=["upper", "reverse"], reg_data=reg_data).expert_dataset("train")["x"])
     held_out = comp["val"] | comp["test"]
     for name in ("upper", "reverse"):
-        held_out |= set(task.expert_dataset("val", [name])["x"]) | set(task.expert_dataset("test", [name])["x"])
+        held_out |= set(alone[name].expert_dataset("val")["x"]) | set(alone[name].expert_dataset("test")["x"])
     assert not train & held_out
 
 
 def test_seeds_are_stable_and_per_expert():
-    a, b, c = make_task(), make_task(), make_task(seed=1)
+    a, b, c = make_task(trained=["upper"]), make_task(trained=["upper"]), make_task(seed=1)
     for split in ("train", "test"):
         assert a.background_dataset(split)["x"] == b.background_dataset(split)["x"]
-        assert a.expert_dataset(split, ["upper"])["x"] == b.expert_dataset(split, ["upper"])["x"]
+        assert a.expert_dataset(split)["x"] == b.expert_dataset(split)["x"]
     assert a.compositional_dataset("val")["y"] == b.compositional_dataset("val")["y"]
     assert a.background_dataset("train")["x"] != c.background_dataset("train")["x"]
     # Adding (or dropping) an expert leaves the others' own rows unchanged.
     alone = make_task([UPPER])
     for split in ("train", "val", "test"):
-        assert alone.expert_dataset(split, ["upper"])["x"] == a.expert_dataset(split, ["upper"])["x"]
+        assert alone.expert_dataset(split)["x"] == a.expert_dataset(split)["x"]
 
 
 # --- collation ------------------------------------------------------------------------------------------
@@ -282,6 +285,14 @@ def test_bad_experts_raise_one_line(experts, cfg, match):
     assert "\n" not in str(err.value)
 
 
+def test_allow_overlap_does_not_accept_shared_delimiters():
+    experts = [interval("upper", "[", "]"), interval("reverse", "[", "]")]
+    with pytest.raises(TaskError, match="share the delimiter character.*allow_overlap or not") as err:
+        make_task(experts, allow_overlap=True)
+    assert "\n" not in str(err.value)
+    assert make_task(allow_overlap=True).allow_overlap  # disjoint delimiters are fine either way
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"min_len": 10, "max_len": 9}, "min_len <= max_len"),
     ({"min_segment_len": 0}, "min_segment_len"),
@@ -297,10 +308,16 @@ def test_bad_config_raises(changes, match):
 
 
 def test_bad_calls_and_standard_experts(task):
+    with pytest.raises(TaskError, match="not among the experts in play") as err:
+        make_task(trained=["nobody"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(TaskError, match="reg_data") as err:
+        make_task(trained=["upper"], reg_data="everything")
+    assert "\n" not in str(err.value)
+    with pytest.raises(TaskError, match="no experts named"):
+        make_task(trained=[]).expert_dataset("train")
     with pytest.raises(TaskError, match="not in play"):
-        task.expert_dataset("train", ["nobody"])
-    with pytest.raises(TaskError, match="reg_data"):
-        task.expert_dataset("train", ["upper"], "everything")
+        task.evaluate_expert(None, "nobody", "val", 1)
     with pytest.raises(ValueError, match="split"):
         task.compositional_dataset("train")
     with pytest.raises(TaskError, match="at least one expert"):

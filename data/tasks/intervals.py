@@ -35,7 +35,7 @@ from compose.metrics import ExactMatch, FailureTypes
 from data.collate import Collator
 from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, REG_DATA_CHOICES, SPLITS, Expert, Task, TaskError
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
 from data.tokenizer import build_char_tokenizer, validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -236,11 +236,11 @@ class IntervalsTask(Task):
     name = "intervals"
     config_class = IntervalsConfig
 
-    def __init__(self, cfg: IntervalsConfig, experts: Sequence[Expert], seed: int = 0,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        super().__init__(cfg, experts, seed=seed, tokenizer=tokenizer)
+    def __init__(self, cfg: IntervalsConfig, experts: Sequence[Expert], **kwargs) -> None:
+        super().__init__(cfg, experts, **kwargs)
+        tokenizer = kwargs.get("tokenizer")
         self.kinds = [_kind(e, cfg) for e in self.experts]
-        _check_experts(self.kinds, cfg)
+        _check_experts(self.kinds, cfg, self.allow_overlap)
         self.letters = _case_closure(cfg.alphabet)  # the tokens text may hold: the alphabet, its case variants
         self.token_alphabet = _token_alphabet(cfg.alphabet, self.kinds)
         for kind in self.kinds:
@@ -351,13 +351,12 @@ class IntervalsTask(Task):
         _check_split(split, SPLITS)
         return self._cached(("background", split), lambda: self._rows(self._background_inputs()[split], [], []))
 
-    def expert_dataset(self, split: str, trained: Sequence[str], reg_data: str = "own") -> datasets.Dataset:
+    def expert_dataset(self, split: str) -> datasets.Dataset:
         """Task rows of each expert in `trained` (its skill on its own segments, its own mask) plus, for
         `train`, regularizer rows by `reg_data`: copy rows (`background`, `own+background`) or compositional
         rows with every expert's skill applied (`composition`)."""
         _check_split(split, SPLITS)
-        if reg_data not in REG_DATA_CHOICES:
-            raise TaskError(f"reg_data={reg_data!r} is not one of {', '.join(REG_DATA_CHOICES)}")
+        trained, reg_data = self.trained, self.reg_data
         if not trained:
             raise TaskError("expert_dataset: no experts named in `trained`")
         return self._cached(("expert", split, tuple(trained), reg_data if split == "train" else None),
@@ -553,9 +552,10 @@ def _kind(expert: Expert, cfg: IntervalsConfig) -> _Kind:
     return _Kind(expert.name, spec, SKILLS[skill])
 
 
-def _check_experts(kinds: Sequence[_Kind], cfg: IntervalsConfig) -> None:
-    """Unique names; delimiters outside the text's characters and not shared between experts; room for one
-    segment of every expert in `max_len`."""
+def _check_experts(kinds: Sequence[_Kind], cfg: IntervalsConfig, allow_overlap: bool = False) -> None:
+    """Unique names; delimiters outside the text's characters and not shared between experts (even with
+    `allow_overlap`: shared delimiters make the segments ambiguous); room for one segment of every expert in
+    `max_len`."""
     plain = set(_case_closure(cfg.alphabet))
     owner: dict[str, str] = {}
     for kind in kinds:
@@ -567,8 +567,10 @@ def _check_experts(kinds: Sequence[_Kind], cfg: IntervalsConfig) -> None:
                             f"characters of task.alphabet {cfg.alphabet!r} (or their case variants)")
         for c in sorted(chars):
             if c in owner and owner[c] != kind.name:
+                hint = " (the intervals task cannot allow overlapping experts, allow_overlap or not)" \
+                    if allow_overlap else ""
                 raise TaskError(f"experts {owner[c]!r} and {kind.name!r} share the delimiter character {c!r}: "
-                                f"their intervals could overlap")
+                                f"their intervals could overlap{hint}")
             owner[c] = kind.name
     need = sum(k.footprint(cfg.min_segment_len) for k in kinds) + max(len(kinds) - 1, 0)
     if need > cfg.max_len:
