@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from compose.common import check_vocab, move_into_place

@@ -246,8 +246,10 @@ def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Examp
     """Tokenize prompts and responses (responses in one batch, offsets relative to each response)."""
     if not examples:
         return []
-    enc = tokenizer([e.response for e in examples], add_special_tokens=False, return_offsets_mapping=True,
-                    return_special_tokens_mask=True)
+    enc = tokenizer([e.response for e in examples], add_special_tokens=False, return_offsets_mapping=True)
+    # Special tokens written inside the text (a literal "<eos>") are flagged too, as the detector skips them;
+    # `return_special_tokens_mask` would flag only the ones the tokenizer added.
+    special_ids = set(tokenizer.all_special_ids)
     out = []
     for i, e in enumerate(examples):
         prompt_ids = encode_prompt(tokenizer, e.prompt)
@@ -255,7 +257,8 @@ def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Examp
             raise TaskError(f"{e.where}: empty prompt and the tokenizer has no BOS token: nothing predicts the "
                             "response's first token")
         out.append(Encoded(e, prompt_ids, list(enc["input_ids"][i]),
-                           [tuple(o) for o in enc["offset_mapping"][i]], list(enc["special_tokens_mask"][i])))
+                           [tuple(o) for o in enc["offset_mapping"][i]],
+                           [int(t in special_ids) for t in enc["input_ids"][i]]))
     return out
 
 
@@ -406,16 +409,16 @@ class TextTask(Task):
         self._check_budget()
 
     def _check_expert_rows(self, i: int, examples: Sequence[Example]) -> None:
-        """Every row balances the expert's interval, and some row holds one."""
+        """The expert's delimiters occur in its training rows, and every row balances its interval."""
         e, spec = self.experts[i], self.specs[i]
+        texts = [ex.response for ex in examples]
+        for key, delimiter in (("start", spec.start), ("end", spec.end)):
+            found = any(re.search(delimiter, t) for t in texts) if spec.regex else any(delimiter in t for t in texts)
+            if not found:
+                raise TaskError(f"experts[{i}] ({e.name}).interval.{key}={delimiter!r} never occurs in the responses "
+                                f"of its training rows ({', '.join(map(str, e.data))})")
         for ex in examples:
             _check_row_balanced(ex, spec, e.name)
-        texts = [ex.response for ex in examples]
-        # Rows balance, so an interval that opens also closes: checking the start covers the end.
-        found = any(re.search(spec.start, t) for t in texts) if spec.regex else any(spec.start in t for t in texts)
-        if not found:
-            raise TaskError(f"experts[{i}] ({e.name}).interval.start={spec.start!r} never occurs in the responses "
-                            f"of its training rows ({', '.join(map(str, e.data))})")
 
     def _check_general(self, examples: Sequence[Example]) -> None:
         """General rows balance every interval (regularizer rows carry the masks); count those that hold one."""

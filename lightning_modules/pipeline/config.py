@@ -192,6 +192,20 @@ def _merge(cfg: DictConfig, update: Any) -> DictConfig:
     return OmegaConf.merge(cfg, update)
 
 
+def _apply_override(cfg: DictConfig, override: str) -> DictConfig:
+    """One `dotted.key=value` (list items by index: `experts.0.weight=2`); values parse as YAML."""
+    key, value = override.split("=", 1)
+    parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]
+    if key == "task.name":
+        return _merge(cfg, OmegaConf.create({"task": {"name": parsed}}))
+    if key.split(".")[0] in ("experts", "task") and "." in key:
+        # Lists and the free-form task node take dotted paths through `update`; a list-valued `merge` could not.
+        cfg = cfg.copy()
+        OmegaConf.update(cfg, key, parsed, merge=True)
+        return cfg
+    return _merge(cfg, OmegaConf.from_dotlist([override]))
+
+
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
                 base: str | Path | None = None) -> DictConfig:
     """Merge `base` (the embedded default YAML), then `files` in order, then dotted overrides."""
@@ -214,10 +228,11 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
-        try:
-            cfg = _merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        except OmegaConfBaseException as e:
-            raise _explain(e, schema, "command line") from None
+        for override in overrides:
+            try:
+                cfg = _apply_override(cfg, override)
+            except OmegaConfBaseException as e:
+                raise _explain(e, schema, "command line") from None
     validate(cfg)
     cfg.task = resolve_task_config(cfg)
     return cfg

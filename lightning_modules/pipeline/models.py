@@ -39,18 +39,18 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pre
 
 
 def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
-                    trust_remote_code: bool = False) -> PreTrainedModel:
+                    trust_remote_code: bool = False, where: str = "model") -> PreTrainedModel:
     """Load a local HF causal LM (safetensors only); refuse one whose vocabulary cannot hold the tokenizer's
     (a larger embedding table, as pretrained checkpoints pad theirs, is fine)."""
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ConfigError(f"no HF model folder at {path} (config.json missing)")
+        raise ConfigError(f"{where}: no HF model folder at {path} (config.json missing)")
     try:
         model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ConfigError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{where}: cannot load model from {path}: {str(e).splitlines()[0]}") from None
     try:
-        check_vocab(tokenizer, model.get_output_embeddings().weight.shape[0], f"model at {path}")
+        check_vocab(tokenizer, model.get_output_embeddings().weight.shape[0], f"{where}={path}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return model

@@ -28,7 +28,7 @@ ACCURACY_PLOT = "accuracy_vs_k.png"
 HEATMAP_PLOT = "divergence_heatmap.png"
 DIVERGENCE_MAP = "divergence_map.json"
 _KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
-                           "notes"}
+                           "notes", "gated"}
 
 
 # ----------------------------------------------------------------------------------------------- formatting
@@ -88,6 +88,9 @@ def _component_rows(summary: dict) -> list[list[str]]:
         c = summary["composition"]
         label = f"**composition (k={c.get('k', '?')}, n={c.get('n_test', '?')})**"
         rows.append([label, f"**{_fmt(c.get('exact_match'))}**"] + ["-"] * (len(COMPONENT_COLUMNS) - 1))
+        if "gated" in c:  # experts gated by their intervals' stopping-time detectors
+            rows.append([f"composition, gated (k={c.get('k', '?')})", _fmt(c["gated"].get("exact_match"))]
+                        + ["-"] * (len(COMPONENT_COLUMNS) - 1))
     return rows
 
 

@@ -98,16 +98,31 @@ def plan_run(cfg: DictConfig) -> Plan:
     trained = [e.name for e in cfg.experts]
     try:
         task = task_class(cfg.task.name)(task_settings(cfg), experts, trained=trained, reg_data=cfg.expert.reg_data,
-                                         seed=cfg.seed, allow_overlap=cfg.composition.allow_overlap)
+                                         seed=cfg.seed, tokenizer=model_tokenizer(cfg),
+                                         allow_overlap=cfg.composition.allow_overlap)
     except TaskError as e:
         raise ConfigError(str(e)) from None
     for export, manifest in exports:
         _check_same_vocab(manifest, task.tokenizer, export)
     check_ablations(cfg, task)
-    if cfg.background.path:
-        load_pretrained(cfg.background.path, task.tokenizer)  # fails early on a missing folder or a small vocabulary
+    for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
+        if OmegaConf.select(cfg, key):
+            load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, cfg.model.trust_remote_code, where=key)
     return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
                 weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
+
+
+def model_tokenizer(cfg: DictConfig):
+    """The tokenizer saved with `model.pretrained_path` (a pretrained HF folder), if it has one; else None."""
+    folder = Path(cfg.model.pretrained_path) if cfg.model.pretrained_path else None
+    if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"model.pretrained_path: cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
 
 
 def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
@@ -255,8 +270,11 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     if module is None:
         return summary
     module.eval()
-    summary["experts"] = {name: task.evaluate_expert(module.composed_model(tok, names=[name]), name, "test", bs)
-                          for name in plan.trained}
+    summary["experts"] = {}
+    for name in plan.trained:
+        alone = task.evaluate_expert(module.composed_model(tok, names=[name]), name, "test", bs)
+        # `skill_accuracy` of an expert is its accuracy inside the composition (below); alone it is this:
+        summary["experts"][name] = {("skill_accuracy_alone" if k == "skill_accuracy" else k): v for k, v in alone.items()}
     test_set = task.compositional_dataset("test")
     composed = module.composed_model(tok)
     results = task.composition_metrics(composed, test_set, bs, cfg.composition.active_threshold)
@@ -272,6 +290,11 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         "overlap": {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("overlap/")},
         **results,
     }
+    if any("interval" in plan.specs[n] for n in plan.in_play):
+        # Gated: each expert's factor only where its stopping-time detector says its interval is open.
+        composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
+        summary["composition"]["gated"] = task.evaluate_composition(composed, test_set, bs)
+        composed.composition = "soft"
     if task.notes:
         summary["composition"]["notes"] = task.notes
     write_divergence_map(composed, test_set.select(range(min(4, len(test_set)))), task.collator(),

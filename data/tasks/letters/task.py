@@ -105,6 +105,10 @@ class LettersTask(Task):
         self.rule_sets = rule_sets
         self._trained_rules = [rule_sets[self.expert_names.index(n)] for n in self.trained]
         self._tokenizer = build_char_tokenizer(cfg.alphabet)
+        given = kwargs.get("tokenizer")
+        if given is not None and given.get_vocab() != self._tokenizer.get_vocab():
+            raise TaskError("the letters task uses its own character tokenizer (task.alphabet); the pretrained "
+                            "model's tokenizer differs from it")
         self._build = dataset_builder(cfg.format)
         self._background: dict[str, datasets.Dataset] = {}
         self._experts: dict[str, datasets.Dataset] = {}

@@ -1,0 +1,113 @@
+"""The text task end to end through train.py (fixture rows, byte-level BPE, a tiny model), pretrained folders
+with padded embedding tables, and the text task's bad input at the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "configs" / "experiment" / "text_fast.yaml"
+FIXTURE = ROOT / "tests" / "fixtures" / "text"
+# A few steps: the point is the whole pipeline on text rows, not accuracy.
+FAST = ["background.max_steps=12", "expert.max_steps=6", "trainer.val_check_interval=6",
+        "trainer.enable_progress_bar=false", "composition.val_limit=4"]
+
+
+def train(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("text") / "run"
+    proc = train(TEXT, *FAST, f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_text_run_writes_the_summary_contract(text_run):
+    s = json.loads((text_run / "summary.json").read_text())
+    assert s["task"] == "text"
+    assert 0.0 <= s["background"]["exact_match"] <= 1.0
+    for name in ("calc", "upper"):
+        e = s["experts"][name]
+        assert 0.0 <= e["exact_match"] <= 1.0 and e["off_mask_kl"] >= 0.0
+        assert 0.0 <= e["skill_accuracy"] <= 1.0
+    c = s["composition"]
+    assert c["k"] == 2 and c["n_test"] >= 1 and 0.0 <= c["exact_match"] <= 1.0 and c["nll"] > 0
+    assert 0.0 <= c["gated"]["exact_match"] <= 1.0  # experts with intervals are also composed gated
+    assert (text_run / "report.md").is_file() and (text_run / "divergence_heatmap.png").is_file()
+    header = (text_run / "logs/experts/metrics.csv").read_text().splitlines()[0]
+    for key in ("val/composed/exact_match", "val/composed/calc/off_mask_kl", "val/calc/off_mask_kl"):
+        assert key in header, key
+
+
+def test_text_export_records_intervals_and_composes_gated_with_no_user_code(text_run):
+    import torch
+
+    from compose import ComposedLM
+
+    manifest = yaml.safe_load((text_run / "export/composition.yaml").read_text())
+    specs = {e["name"]: e["spec"] for e in manifest["experts"]}
+    assert specs["calc"] == {"interval": {"start": "<<", "end": ">>", "regex": False}}
+    soft = ComposedLM.from_manifest(text_run / "export")
+    gated = ComposedLM.from_manifest(text_run / "export", composition="gated")
+    tok = gated.tokenizer
+    ids = torch.tensor([[tok.bos_token_id, *tok("What is 6*7?\n", add_special_tokens=False)["input_ids"]]])
+    out = gated.generate(ids, torch.ones_like(ids), max_new_tokens=8)
+    assert out.shape[0] == 1 and out.shape[1] > ids.shape[1]
+    assert soft.composition == "soft" and gated.composition == "gated"
+
+
+def test_pretrained_folder_with_a_padded_embedding_table_is_accepted(tmp_path):
+    """Real checkpoints pad their vocabularies: a background folder with 64 extra rows trains experts."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE / "tokenizer")
+    config = LlamaConfig(vocab_size=len(tok) + 64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "padded")
+    proc = train(TEXT, *FAST, f"background.path={tmp_path / 'padded'}", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run/summary.json").read_text())["composition"]["k"] == 2
+
+    small = LlamaConfig(**{**config.to_dict(), "vocab_size": len(tok) - 1})
+    LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    proc = train(TEXT, f"background.path={tmp_path / 'small'}", f"output_dir={tmp_path / 'nope'}")
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "background.path" in line and "fewer than the tokenizer" in line
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("experts.0.data=[tests/fixtures/text/missing.jsonl]", "missing.jsonl"),
+    ("experts.0.interval.start=<<<", "<<<"),
+    ("experts.0.interval={start: '(', end: ')', regex: true}", "regex"),
+    ("task.general=[tests/fixtures/text/tokenizer/tokenizer_config.json]", "tokenizer_config.json"),
+])
+def test_text_bad_input_is_one_line_before_anything_is_written(tmp_path, override, expected):
+    """In-process (the command line prints the same ConfigError as `error: ...` and exits 2)."""
+    from lightning_modules.pipeline.config import ConfigError, load_config
+    from lightning_modules.pipeline.stages import run
+
+    with pytest.raises(ConfigError) as err:
+        run(load_config([str(TEXT)], [override, f"output_dir={tmp_path / 'run'}"],
+                        base=ROOT / "configs" / "default.yaml"))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_text_bad_input_at_the_command_line(tmp_path):
+    proc = train(TEXT, "experts.1.data=[nowhere.jsonl]", f"output_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: nowhere.jsonl: data file not found"]
+    assert not (tmp_path / "run").exists()
