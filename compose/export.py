@@ -30,7 +30,6 @@ import hashlib
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from compose.common import check_vocab, move_into_place
+from compose.common import atomic_save, check_vocab
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "composition.yaml"
@@ -149,9 +148,8 @@ def export_composition(
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    def write(tmp: Path) -> None:
+        nonlocal background
         tmp.mkdir()
         tokenizer.save_pretrained(tmp / "tokenizer")
         if background_ref is not None:
@@ -183,10 +181,8 @@ def export_composition(
         }
         (tmp / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False))
         load_manifest(tmp)  # what we wrote must read back
-        move_into_place(tmp, path, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    atomic_save(write, path, overwrite)
     return path
 
 
