@@ -23,7 +23,7 @@ whole loop iteration as the framework runs it. Every repetition fits every confi
 the timed steps; the table gives the median over repetitions.
 
 The composition line times what ``CompositionEvaluation`` does at each validation (compose the background
-with both experts, ``evaluate_composition`` on ``composition.val_limit`` = 200 compositional validation
+with both experts, ``Task.composition_metrics`` on ``composition.val_limit`` = 200 compositional validation
 inputs: greedy decoding + teacher-forced metrics) and compares it with the ``trainer.val_check_interval``
 = 50 regularized LoRA steps between two validations. The background is untrained (random weights) unless
 ``--background`` names a trained HF folder; an untrained model rarely emits ``<eos>``, so its decoding
@@ -68,24 +68,24 @@ def wait_for_quiet(max_load: float, wait_s: float, poll_s: float = 15.0) -> tupl
 
 
 def build(args):
-    """The tokenizer, the data module, fixed training batches and the default experiment's config."""
+    """The default experiment's config, its task, the experts' data module and fixed training batches."""
     import lightning.pytorch as pl
 
-    from data.datamodules import ExpertDataModule
-    from data.letters import RuleSet
-    from lightning_modules.config import load_config
-    from lightning_modules.stages import data_config
+    from data.datamodule import TaskDataModule
+    from data.tasks import Expert, task_class
+    from lightning_modules.pipeline.config import expert_spec, load_config, task_settings
 
     cfg = load_config(base=ROOT / "configs" / "default.yaml")
-    cfg.data.n_train = args.batches * cfg.data.batch_size  # per expert: enough rows for the fixed batches
-    cfg.data.n_test = 1
+    cfg.task.n_train = args.batches * cfg.data.batch_size  # per expert: enough rows for the fixed batches
+    cfg.task.n_test = 1
     pl.seed_everything(cfg.seed, verbose=False)
-    experts = [RuleSet(e.name, dict(e.rules)) for e in cfg.experts]
-    dm = ExpertDataModule(None, data_config(cfg, cfg.expert.corruption_prob, cfg.expert.reg_data, len(experts)),
-                          experts)
-    dm.setup("fit")
+    # as the experts stage builds them: every expert trained, `data.batch_size` rows per expert per step
+    experts = [Expert(e.name, expert_spec(e), float(e.weight)) for e in cfg.experts]
+    task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed)
+    dm = TaskDataModule(task, "experts", cfg.data.batch_size * len(experts), cfg.expert.corruption_prob,
+                        cfg.data.num_workers, cfg.seed)
     batches = list(dm.train_dataloader())[: args.batches]
-    return cfg, dm, experts, batches
+    return cfg, dm, task, batches
 
 
 def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: str | None):
@@ -94,7 +94,7 @@ def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: s
     import torch
 
     from lightning_modules.expert import ExpertLM
-    from lightning_modules.models import build_causal_lm, load_pretrained
+    from lightning_modules.pipeline.models import build_causal_lm, load_pretrained
 
     class BenchExpertLM(ExpertLM):
         def __init__(self, *a, **kw) -> None:
@@ -164,7 +164,7 @@ def timed_fit(module, batches, warmup: int, steps: int) -> tuple[float, int]:
     return statistics.median(times), timer.calls[-1] - timer.calls[warmup]
 
 
-def time_validation(module, dm, experts, cfg) -> tuple[float, float, dict]:
+def time_validation(module, dm, task, cfg) -> tuple[float, float, dict]:
     """One validation as the experts stage runs it: ``Trainer.validate`` on the per-expert validation
     loader with the ``CompositionEvaluation`` callback (``composition.val_limit`` compositional inputs).
 
@@ -173,7 +173,6 @@ def time_validation(module, dm, experts, cfg) -> tuple[float, float, dict]:
     """
     import lightning.pytorch as pl
 
-    from data.letters import LettersCollator
     from lightning_modules.callbacks import CompositionEvaluation
 
     class TimedCompositionEvaluation(CompositionEvaluation):
@@ -185,17 +184,15 @@ def time_validation(module, dm, experts, cfg) -> tuple[float, float, dict]:
             self.elapsed_ms = (time.perf_counter() - start) * 1e3
 
     c = cfg.composition
-    callback = TimedCompositionEvaluation(
-        lambda: dm.compositional_dataset("val"), experts, LettersCollator(dm.tokenizer, cfg.data.alphabet),
-        dm.tokenizer, batch_size=c.eval_batch_size, limit=c.val_limit, active_threshold=c.active_threshold,
-    )
+    callback = TimedCompositionEvaluation(task, batch_size=c.eval_batch_size, limit=c.val_limit,
+                                          active_threshold=c.active_threshold)
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     loader = dm.val_dataloader()
     start = time.perf_counter()
     trainer.validate(module, dataloaders=loader, verbose=False)
     total_ms = (time.perf_counter() - start) * 1e3
-    n = min(len(dm.compositional_dataset("val")), c.val_limit or 10**9)
+    n = min(len(task.compositional_dataset("val")), c.val_limit or 10**9)
     return callback.elapsed_ms, total_ms, {"n": n, "val_rows": len(loader.dataset), **callback.last}
 
 
@@ -237,13 +234,13 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    cfg, dm, experts, batches = build(args)
+    cfg, dm, task, batches = build(args)
     modes = ["lora"] if args.no_full else ["lora", "full"]
     kinds = {"plain": 0.0, "regularized": cfg.expert.reg_weight, "cached bg": cfg.expert.reg_weight}
     modules = {}
     for mode in modes:
         for kind, lam in kinds.items():
-            module = make_module(cfg, dm.tokenizer, mode, lam, args.background)
+            module = make_module(cfg, task.tokenizer, mode, lam, args.background)
             if kind == "cached bg":
                 fill_cache(module, batches)
             modules[mode, kind] = module
@@ -259,7 +256,7 @@ def main() -> None:
             ms, calls = timed_fit(module, batches, args.warmup, args.steps)
             samples[key].append(ms)
             bg_calls[key] += calls
-        ms, total, comp_results = time_validation(modules["lora", "regularized"], dm, experts, cfg)
+        ms, total, comp_results = time_validation(modules["lora", "regularized"], dm, task, cfg)
         comp_ms.append(ms)
         val_ms.append(total)
 
@@ -279,7 +276,7 @@ def main() -> None:
     n_tokens = len(batches[0]["input_ids"]) * batches[0]["input_ids"].shape[1]
     lines += [
         "",
-        f"composition eval (`CompositionEvaluation` → `evaluate_composition` on {comp_results['n']} compositional "
+        f"composition eval (`CompositionEvaluation` → `Task.composition_metrics` on {comp_results['n']} compositional "
         f"val inputs): {comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
         f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
         f"({100 * comp / plain_window:.0f} % of {every} plain steps)",

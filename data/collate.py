@@ -99,6 +99,11 @@ class Collator:
         current = torch.full_like(ids, -1)
         current[known] = self._index[ids[known]]
         n = len(self.corruption_ids)
-        if n > 1:
+        new = ids.clone()
+        if n > 1:  # a token of the set: a uniformly drawn *different* one
             shift = torch.randint(1, n, current.shape, generator=self.generator)
-            input_ids[chosen] = self.corruption_ids[(current + shift) % n]
+            new = self.corruption_ids[(current + shift) % n]
+        outside = current < 0
+        if outside.any():  # a token outside the set: any token of it (drawn only when there are such tokens)
+            new[outside] = self.corruption_ids[torch.randint(0, n, (int(outside.sum()),), generator=self.generator)]
+        input_ids[chosen] = new

@@ -2,48 +2,60 @@
 
     python scripts/margin_decomposition.py runs/new_k8_s1
 
-Loads `<run>/export` and rebuilds the run's compositional test set from `<run>/config.yaml` (the same seed, so
-the same inputs as `summary.json`). At every output position held by one expert's mask it splits the composed
-log-odds of the rule's letter over the copied source letter into the owner expert's own log-odds and the shift
-the other experts add (`compose.metrics.margin_decomposition`), and prints their quantiles. Generative format.
+Loads `<run>/export` and rebuilds the run's compositional test set from `<run>/config.yaml` (the same task,
+experts and seed, so the same inputs as `summary.json`). At every output position held by one expert's mask it
+splits the composed log-odds of the rule's letter over the copied source letter into the owner expert's own
+log-odds and the shift the other experts add (`compose.metrics.margin_decomposition`), and prints their
+quantiles. Letter task, generative format; runs that composed with earlier exports are not supported (their
+export holds only the experts trained in the run).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compose import ComposedLM, load_manifest  # noqa: E402
+from compose import ComposedLM  # noqa: E402
 from compose.metrics import margin_decomposition  # noqa: E402
-from data.datamodules import ExpertDataModule  # noqa: E402
-from data.letters import LettersCollator, RuleSet  # noqa: E402
-from lightning_modules.stages import data_config  # noqa: E402
+from data.tasks import Expert, TaskError, task_class  # noqa: E402
+from lightning_modules.pipeline.config import ConfigError, expert_spec, load_config, task_settings  # noqa: E402
 
 QUANTILES = (0.01, 0.05, 0.5)
 
 
 def main(run: Path) -> None:
-    cfg = OmegaConf.load(run / "config.yaml")
-    if cfg.data.format != "generative":
-        raise SystemExit(f"{run}: only the generative format has a copied source to compare with")
+    try:
+        cfg = load_config([str(run / "config.yaml")])
+    except ConfigError as e:
+        raise SystemExit(f"{run}: {e}") from None
+    if cfg.task.name != "letters" or cfg.task.format != "generative":
+        raise SystemExit(f"{run}: only the letter task's generative format has a copied source to compare with "
+                         f"(task.name={cfg.task.name}, format={cfg.task.get('format')})")
+    if cfg.composition.compose_with:
+        raise SystemExit(f"{run}: composed with earlier exports; its export holds only this run's experts")
     model = ComposedLM.from_manifest(run / "export").eval()
-    rules = [RuleSet(e["name"], dict((e.get("spec") or {}).get("rules", {})))
-             for e in load_manifest(run / "export")["experts"]]
-    # the run's own data settings: held-out inputs avoid its training rows, regularizer rows included
-    dm = ExpertDataModule(model.tokenizer, data_config(cfg, 0.0, cfg.expert.reg_data, len(rules)), rules)
-    dm.setup("test")
-    rows = list(dm.compositional_dataset("test"))
-    batch = LettersCollator(model.tokenizer, cfg.data.alphabet)(rows)
+    # the run's own task: held-out inputs avoid its training rows, regularizer rows included
+    experts = [Expert(e.name, expert_spec(e), float(e.weight)) for e in cfg.experts]
+    try:
+        task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed,
+                                         allow_overlap=cfg.composition.allow_overlap)
+    except TaskError as e:
+        raise SystemExit(f"{run}: {e}") from None
+    if list(model.names) != task.expert_names or model.tokenizer.get_vocab() != task.tokenizer.get_vocab():
+        raise SystemExit(f"{run}: the export (experts {model.names}) does not match config.yaml "
+                         f"(experts {task.expert_names}, task.alphabet={cfg.task.alphabet})")
+    rows = task.compositional_dataset("test")
+    batch = task.collator()(list(rows))
     ids, targets = batch["input_ids"], batch["targets"]
     # the copied source at the target position of output letter j is the input letter x[j] (input_ids[1 + j])
     sources = torch.full_like(targets, -100)
-    for b, row in enumerate(rows):
-        n = len(row["x"])
+    for b, x in enumerate(rows["x"]):
+        n = len(x)
         sources[b, n + 1: 2 * n + 1] = ids[b, 1: n + 1]
     lp_b, lp_e = model.component_logprobs(ids, batch["attention_mask"])
     parts = margin_decomposition(lp_b, lp_e, targets, sources, batch["masks"])
@@ -55,5 +67,8 @@ def main(run: Path) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", type=Path, help="a finished run's output_dir (config.yaml, export/)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    main(Path(sys.argv[1]))
+    main(args.run)

@@ -10,25 +10,26 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from compose import ComposedLM
-from data.datamodules import BackgroundDataModule, ExpertDataModule, LettersDataConfig
-from data.letters import (
-    LettersCollator,
+from data.datamodule import TaskDataModule
+from data.tasks import Expert, TaskError
+from data.tasks.letters import (
+    LettersConfig,
+    LettersTask,
     RuleSet,
-    aligned_batch,
+    aligned_outputs,
     build_aligned_dataset,
     build_letters_dataset,
-    compositional_inputs,
-    dataset_builder,
     sample_strings,
 )
+from data.tasks.letters.rules import aligned_batch, dataset_builder
 from data.tokenizer import build_char_tokenizer
-from lightning_modules.config import ConfigError, load_config
-from lightning_modules.evaluation import evaluate_composition, exact_match, greedy_outputs
+from lightning_modules.pipeline.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "configs" / "default.yaml"
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 AB, CD = RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})
+EXPERTS = [Expert(rs.name, {"rules": dict(rs.rules)}) for rs in (AB, CD)]
 
 
 @pytest.fixture(scope="module")
@@ -65,34 +66,34 @@ def test_aligned_batch_is_right_padded(tok):
     assert attn.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
 
 
-SMALL = dict(n_train=64, n_val=16, n_test=16, batch_size=16, min_len=6, max_len=6, format="aligned")
+SMALL = dict(n_train=64, n_val=16, n_test=16, min_len=6, max_len=6, format="aligned")
 
 
-def test_datamodules_build_every_split_aligned_and_never_corrupt(tok):
-    cfg = LettersDataConfig(**SMALL, corruption_prob=0.5, reg_data="composition")
-    bg = BackgroundDataModule(tok, cfg)
-    assert bg.train_corruption_prob == 0.0
+def test_task_builds_every_split_aligned_and_never_corrupts(tok):
+    task = LettersTask(LettersConfig(**SMALL), EXPERTS, reg_data="composition")
+    assert task.collator(0.5).corruption_prob == 0.0  # no teacher-forced outputs, so nothing to corrupt
+    bg = TaskDataModule(task, "background", batch_size=16, corruption_prob=0.5)
     batch = next(iter(bg.train_dataloader()))
     assert torch.equal(batch["input_ids"][:, 1:], batch["targets"][:, 1:])  # copy rows, inputs untouched
     assert (batch["output_start"] == 1).all()
-    dm = ExpertDataModule(tok, cfg, [AB, CD])
-    train = dm._built("train")
+    train = task.expert_dataset("train")
     assert set(train["is_task"]) == {0, 1} and set(train["output_start"]) == {1}  # task and regularizer rows
     for row in train:
         assert row["input_ids"][0] == tok.bos_token_id and len(row["input_ids"]) == 7
-    comp = dm.compositional_dataset("test")
+    comp = task.compositional_dataset("test")
     assert set(comp["output_start"]) == {1} and len(comp[0]["masks"]) == 2
     for row in comp:
         assert row["y"] == row["x"].replace("A", "B").replace("C", "D")
     a, b, c, d = tok.convert_tokens_to_ids(list("ABCD"))
+    dm = TaskDataModule(task, "experts", batch_size=16, corruption_prob=0.5)
     for batch in dm.train_dataloader():  # inputs differ from targets only where a rule rewrote x_j
         ids, tg = batch["input_ids"][:, 1:], batch["targets"][:, 1:]
         changed = ids != tg
         assert (((ids == a) & (tg == b)) | ((ids == c) & (tg == d)))[changed].all()
-    with pytest.raises(ValueError, match="data config: data format 'x' is not one of"):
-        LettersDataConfig(format="x")
-    with pytest.raises(ConfigError, match="data.format='x' is not one of generative, aligned"):
-        load_config(overrides=["data.format=x"])
+    with pytest.raises(TaskError, match="task.format='x' is not one of generative, aligned"):
+        LettersConfig(format="x")
+    with pytest.raises(ConfigError, match="task.format='x' is not one of generative, aligned"):
+        load_config(overrides=["task.format=x"])
 
 
 # ---------------------------------------------------------------- argmax evaluation
@@ -125,25 +126,33 @@ def test_argmax_evaluation_on_hand_built_models(tok):
     a, b, c, d = tok.convert_tokens_to_ids(list("ABCD"))
     background = _linear_gpt2(v)
     expert_ab, expert_cd = _linear_gpt2(v, {a: b}), _linear_gpt2(v, {c: d})
-    xs = compositional_inputs(40, ALPHABET, 5, 9, seed=0, rule_sets=[AB, CD])  # varied lengths: padding
+    # varied lengths (padding); every expert row holds one of its sources, every compositional row both
+    cfg = LettersConfig(min_len=5, max_len=9, format="aligned", n_train=40, n_val=40, n_test=40, source_prob=1.0)
+    task = LettersTask(cfg, EXPERTS)
+    comp = task.compositional_dataset("test")
+    xs = list(comp["x"])
+    assert {len(x) for x in xs} == set(range(5, 10))
     copy = ComposedLM(background, tokenizer=tok)
-    preds, ended = greedy_outputs(copy, tok, xs, batch_size=16, format="aligned")
+    preds, ended = aligned_outputs(copy, tok, xs, batch_size=16)
     assert preds == xs and all(ended)
-    assert exact_match(copy, tok, xs, [], format="aligned") == 1.0
-    assert exact_match(copy, tok, xs, [AB], format="aligned") == 0.0  # every x holds an A
+    assert task.evaluate_background(copy, "test", 16) == {"exact_match": 1.0}
+    assert task.evaluate_expert(copy, "A_to_B", "test", 16)["exact_match"] == 0.0  # every x holds an A
     alone = ComposedLM(background, [expert_ab], names=["A_to_B"], tokenizer=tok)
-    assert exact_match(alone, tok, xs, [AB], batch_size=7, format="aligned") == 1.0
-    assert exact_match(alone, tok, xs, [AB, CD], format="aligned") == 0.0  # C is left alone
+    assert task.evaluate_expert(alone, "A_to_B", "test", batch_size=7)["exact_match"] == 1.0
+    assert task.evaluate_expert(alone, "C_to_D", "test", 16)["exact_match"] == 0.0  # C is left alone
+    assert task.evaluate_composition(alone, comp, 16)["exact_match"] == 0.0
     composed = ComposedLM(background, [expert_ab, expert_cd], names=["A_to_B", "C_to_D"], tokenizer=tok)
-    dataset = build_aligned_dataset(xs, [AB, CD], [AB, CD], tok)
-    results = evaluate_composition(composed, tok, dataset, [AB, CD], LettersCollator(tok, ALPHABET), 16,
-                                   format="aligned")
+    results = task.composition_metrics(composed, comp, 16)
     assert results["exact_match"] == 1.0
     assert results["A_to_B/skill_accuracy"] == results["C_to_D/skill_accuracy"] == 1.0
     assert results["failures/correct"] == 1.0
     assert results["A_to_B/on_mask_kl"] > 1.0 > 1e-3 > results["projectivity_error"]
-    with pytest.raises(ValueError, match="format='generative' but the dataset's rows are in the aligned format"):
-        evaluate_composition(composed, tok, dataset, [AB, CD], LettersCollator(tok, ALPHABET))
+    # each expert is active (KL above the threshold) exactly on its own mask, and the two never overlap
+    for name in ("A_to_B", "C_to_D"):
+        assert results[f"{name}/active_precision"] == results[f"{name}/active_recall"] == 1.0
+    assert results["overlap/A_to_B__C_to_D"] == 0.0
+    # the decoding half of composition_metrics is evaluate_composition
+    assert task.evaluate_composition(composed, comp, 16).items() <= results.items()
 
 
 def test_aligned_outputs_are_the_argmax_of_score_per_unpadded_row(tok):
@@ -152,7 +161,7 @@ def test_aligned_outputs_are_the_argmax_of_score_per_unpadded_row(tok):
     background, expert = (AutoModelForCausalLM.from_config(config).eval() for _ in range(2))
     composed = ComposedLM(background, [expert], tokenizer=tok)
     xs = sample_strings(12, ALPHABET, 1, 10, seed=3)
-    preds, _ = greedy_outputs(composed, tok, xs, batch_size=5, format="aligned")
+    preds, _ = aligned_outputs(composed, tok, xs, batch_size=5)
     for x, pred in zip(xs, preds, strict=True):
         ids = torch.tensor([[tok.bos_token_id, *tok.convert_tokens_to_ids(list(x))]])
         expected = tok.decode(composed.score(ids)[0, 1:].argmax(-1).tolist(), skip_special_tokens=False)
@@ -164,10 +173,10 @@ def test_aligned_outputs_are_the_argmax_of_score_per_unpadded_row(tok):
 
 
 def test_fast_aligned_pipeline_in_process(tmp_path):
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     cfg = load_config([str(ROOT / "configs" / "debug" / "fast.yaml")], base=DEFAULT, overrides=[
-        f"output_dir={tmp_path / 'run'}", "data.format=aligned", "data.min_len=6", "data.max_len=6",
+        f"output_dir={tmp_path / 'run'}", "task.format=aligned", "task.min_len=6", "task.max_len=6",
         "model.arch=gpt2", "expert.lora.target_modules=[c_attn,c_proj,c_fc]", "report=false",
     ])
     summary = run(cfg)
@@ -176,17 +185,20 @@ def test_fast_aligned_pipeline_in_process(tmp_path):
         entry = summary["experts"][name]
         assert 0.0 <= entry["exact_match"] <= 1.0 and entry["off_mask_kl"] >= 0.0
         assert 0.0 <= entry["skill_accuracy"] <= 1.0
+        assert 0.0 <= entry["active_precision"] <= 1.0 and 0.0 <= entry["active_recall"] <= 1.0
     comp = summary["composition"]
     assert 0.0 <= comp["exact_match"] <= 1.0 and comp["k"] == 2 and comp["n_test"] == 32
     assert comp["failures"]["length_or_eos"] == 0.0  # nothing is generated, so no length errors
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["composition"] == comp
     header = (tmp_path / "run" / "logs" / "experts" / "metrics.csv").read_text().splitlines()[0]
     assert "val/composed/exact_match" in header
-    assert load_config([str(tmp_path / "run" / "config.yaml")]).data.format == "aligned"
+    saved = load_config([str(tmp_path / "run" / "config.yaml")])
+    assert (saved.task.name, saved.task.format, saved.task.min_len) == ("letters", "aligned", 6)
 
 
 def test_experiment_config_loads():
     cfg = load_config([str(ROOT / "configs" / "experiment" / "letters_aligned.yaml")], base=DEFAULT)
-    assert (cfg.data.format, cfg.data.min_len, cfg.data.max_len, cfg.model.arch) == ("aligned", 16, 16, "gpt2")
+    assert (cfg.task.name, cfg.task.format, cfg.task.min_len, cfg.task.max_len) == ("letters", "aligned", 16, 16)
+    assert (cfg.task.n_train, cfg.data.batch_size, cfg.model.arch) == (2000, 64, "gpt2")
     assert [e.name for e in cfg.experts] == ["A_to_B", "C_to_D"]
 

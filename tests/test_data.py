@@ -1,4 +1,5 @@
-"""Tests of the data side: tokenizer, letter task, collator, datamodules."""
+"""Tests of the data side: tokenizer, letter rules and rows, the generic collator, splits and datamodule,
+and the letter task behind the task seam (rows, determinism, decoding-side evaluation)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data.datamodules import BackgroundDataModule, ExpertDataModule, LettersDataConfig
-from data.letters import (
-    IGNORE_INDEX,
-    LettersCollator,
+from data.collate import Collator
+from data.datamodule import TaskDataModule
+from data.splits import derive_seed, draw_excluding
+from data.tasks import Expert, TaskError
+from data.tasks.letters import (
+    LettersConfig,
+    LettersTask,
     RuleSet,
     apply_rules,
     build_letters_dataset,
@@ -24,6 +28,7 @@ from data.letters import (
     validate_rule_sets,
 )
 from data.tokenizer import build_char_tokenizer, letter_ids
+from losses import IGNORE_INDEX
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 AB, CD, EF = RuleSet("ab", {"A": "B"}), RuleSet("cd", {"C": "D"}), RuleSet("ef", {"E": "F"})
@@ -32,6 +37,23 @@ AB, CD, EF = RuleSet("ab", {"A": "B"}), RuleSet("cd", {"C": "D"}), RuleSet("ef",
 @pytest.fixture(scope="module")
 def tok():
     return build_char_tokenizer()
+
+
+def expert(rs: RuleSet) -> Expert:
+    """The task-seam view of a rule set."""
+    return Expert(rs.name, {"rules": dict(rs.rules)})
+
+
+def letters_collator(tok, corruption_prob: float = 0.0, generator=None) -> Collator:
+    """What `LettersTask.collator` builds: pad id, the letters as the corruption set."""
+    return Collator(tok.pad_token_id, letter_ids(tok, ALPHABET), corruption_prob, generator=generator)
+
+
+def output_positions(batch) -> torch.Tensor:
+    """[B, T] bool: the teacher-forced output span of every row."""
+    pos = torch.arange(batch["input_ids"].shape[1])
+    start, length = batch["output_start"][:, None], batch["output_len"][:, None]
+    return (pos >= start) & (pos < start + length)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -157,6 +179,26 @@ def test_compositional_inputs_contain_every_expert():
         compositional_inputs(4, ALPHABET, 3, 16, seed=0, rule_sets=experts)
 
 
+def test_split_helpers():
+    assert derive_seed(0, "expert", "ab") == derive_seed(0, "expert", "ab")  # stable (no hash randomization)
+    assert len({derive_seed(0, "a"), derive_seed(0, "b"), derive_seed(1, "a"), derive_seed(0, "a", 0)}) == 4
+    assert all(0 <= derive_seed(s, "x") < 2**63 for s in range(20))
+    # draws from successive attempts until n strings avoid `exclude`
+    calls = []
+
+    def make(attempt):
+        calls.append(attempt)
+        return [f"{attempt}{i}" for i in range(3)]
+
+    assert draw_excluding(make, 4, {"00", "01"}, "t") == ["02", "10", "11", "12"] and calls == [0, 1]
+    # a string space too small: warns, and the split overlaps the excluded strings
+    with pytest.warns(UserWarning, match="tiny: could not draw 3 inputs disjoint"):
+        assert draw_excluding(lambda attempt: ["x", "y", "z"], 3, {"x", "y", "z"}, "tiny") == ["x", "y", "z"]
+    with pytest.warns(UserWarning, match=r"background (val|test): could not draw"):
+        LettersTask(LettersConfig(alphabet="AB", min_len=2, max_len=2, n_train=4, n_val=4, n_test=4),
+                    []).background_dataset("val")
+
+
 # ---------------------------------------------------------------- dataset rows
 
 
@@ -201,7 +243,8 @@ def test_dataset_rejects_bad_input(tok):
 
 def test_collator_pads_and_checks_k(tok):
     ds = build_letters_dataset(["CAB", "A"], [AB], [AB], tok, {"expert_index": 0, "is_task": 1})
-    batch = LettersCollator(tok, ALPHABET)([ds[0], ds[1]])
+    batch = letters_collator(tok)([ds[0], ds[1]])
+    # string columns (x, y) are dropped, every numeric column becomes a [B] tensor
     assert set(batch) == {"input_ids", "attention_mask", "targets", "masks", "output_start", "output_len",
                           "expert_index", "is_task"}
     assert batch["input_ids"].tolist() == [[1, 7, 5, 6, 3, 7, 6, 6, 2], [1, 5, 3, 6, 2, 0, 0, 0, 0]]
@@ -213,18 +256,44 @@ def test_collator_pads_and_checks_k(tok):
     assert batch["expert_index"].dtype == torch.long
     other = build_letters_dataset(["CAB"], [AB], [AB, CD], tok, {"expert_index": 0, "is_task": 1})
     with pytest.raises(ValueError, match="different numbers of masks"):
-        LettersCollator(tok, ALPHABET)([ds[0], other[0]])
+        letters_collator(tok)([ds[0], other[0]])
+    # the task's own collator is this one: pad id, letters as the corruption set
+    task_collate = LettersTask(LettersConfig(), [expert(AB)]).collator(0.25)
+    assert task_collate.pad_token_id == tok.pad_token_id and task_collate.corruption_prob == 0.25
+    assert task_collate.corruption_ids.tolist() == letter_ids(tok, ALPHABET)
+
+
+def test_collator_columns_and_errors(tok):
+    rows = [{"input_ids": [1, 5, 6], "targets": [5, 6, -100], "masks": [], "output_start": 1, "output_len": 2,
+             "weight": 0.5, "name": "a"},
+            {"input_ids": [1, 7], "targets": [7, -100], "masks": [], "output_start": 1, "output_len": 1,
+             "weight": 2.0, "name": "b"}]
+    batch = Collator(tok.pad_token_id)(rows)
+    assert batch["weight"].dtype == torch.float32 and batch["weight"].tolist() == [0.5, 2.0]
+    assert "name" not in batch and batch["masks"].shape == (2, 0, 3)
+    assert batch["targets"].tolist() == [[5, 6, -100], [7, -100, -100]]
+    with pytest.raises(ValueError, match="empty list of rows"):
+        Collator(tok.pad_token_id)([])
+    with pytest.raises(ValueError, match="targets length 2 != input_ids length 3"):
+        Collator(tok.pad_token_id)([{**rows[0], "targets": [5, 6]}])
+    with pytest.raises(ValueError, match="missing from some rows"):
+        Collator(tok.pad_token_id)([rows[0], {k: v for k, v in rows[1].items() if k != "weight"}])
+    with pytest.raises(ValueError, match=r"corruption_prob must be in \[0, 1\]"):
+        Collator(tok.pad_token_id, [5, 6], 1.5)
+    with pytest.raises(ValueError, match="needs corruption_ids"):
+        Collator(tok.pad_token_id, (), 0.5)
+    no_span = [{k: v for k, v in r.items() if k not in ("output_start", "output_len")} for r in rows]
+    with pytest.raises(ValueError, match="needs the output_start and output_len columns"):
+        Collator(tok.pad_token_id, [5, 6], 0.5)(no_span)
 
 
 def test_corruption_changes_only_output_letters_at_the_rate(tok):
     xs = sample_strings(1000, ALPHABET, 8, 16, seed=0)
     rows = list(build_letters_dataset(xs, [AB], [AB], tok))
-    clean = LettersCollator(tok, ALPHABET)(rows)
-    assert torch.equal(LettersCollator(tok, ALPHABET, 0.0)(rows)["input_ids"], clean["input_ids"])
-    noisy = LettersCollator(tok, ALPHABET, 0.5, generator=torch.Generator().manual_seed(0))(rows)
-    pos = torch.arange(clean["input_ids"].shape[1])
-    start, length = clean["output_start"][:, None], clean["output_len"][:, None]
-    output = (pos >= start) & (pos < start + length)
+    clean = letters_collator(tok)(rows)
+    assert torch.equal(letters_collator(tok, 0.0)(rows)["input_ids"], clean["input_ids"])
+    noisy = letters_collator(tok, 0.5, generator=torch.Generator().manual_seed(0))(rows)
+    output = output_positions(clean)
     changed = noisy["input_ids"] != clean["input_ids"]
     assert not (changed & ~output).any()  # bos, x, sep, eos, padding untouched
     rate = changed[output].float().mean().item()
@@ -233,9 +302,32 @@ def test_corruption_changes_only_output_letters_at_the_rate(tok):
     letters = torch.tensor(letter_ids(tok, ALPHABET))
     assert torch.isin(noisy["input_ids"][output], letters).all()
     # fresh draw per call; reproducible from the generator's seed
-    collate = LettersCollator(tok, ALPHABET, 0.5, generator=torch.Generator().manual_seed(0))
+    collate = letters_collator(tok, 0.5, generator=torch.Generator().manual_seed(0))
     first, second = collate(rows)["input_ids"], collate(rows)["input_ids"]
     assert torch.equal(first, noisy["input_ids"]) and not torch.equal(first, second)
+
+
+def test_corruption_replaces_tokens_outside_the_set_by_tokens_of_it(tok):
+    """Output tokens outside `corruption_ids` (other letters, a tokenizer's special tokens) are replaced by a
+    token of the set; tokens of the set by a *different* one (it used to be an error)."""
+    xs = sample_strings(300, ALPHABET, 8, 16, seed=1)
+    rows = list(build_letters_dataset(xs, [], [], tok))
+    rows.append({**rows[0], "input_ids": [*rows[0]["input_ids"][:-3], tok.sep_token_id, tok.unk_token_id,
+                                          tok.eos_token_id]})  # special tokens inside the output span
+    clean = Collator(tok.pad_token_id)(rows)
+    output = output_positions(clean)
+    abc = letter_ids(tok, "ABC")
+    noisy = Collator(tok.pad_token_id, abc, 1.0, generator=torch.Generator().manual_seed(0))(rows)
+    assert torch.isin(noisy["input_ids"][output], torch.tensor(abc)).all()
+    assert (noisy["input_ids"] != clean["input_ids"])[output].all()  # ρ = 1: every output token changes
+    assert torch.equal(noisy["input_ids"][~output], clean["input_ids"][~output])
+    outside = output & ~torch.isin(clean["input_ids"], torch.tensor(abc))
+    drawn = noisy["input_ids"][outside]
+    assert outside.sum() > 1000 and {int(t) for t in drawn.unique()} == set(abc)  # uniform over the set
+    # a one-token set: everything outside it becomes that token
+    (a,) = letter_ids(tok, "A")
+    single = Collator(tok.pad_token_id, [a], 1.0)(rows)
+    assert (single["input_ids"][output] == a).all()
 
 
 # ---------------------------------------------------------------- generation helpers
@@ -249,46 +341,87 @@ def test_prompt_batch_and_decode_outputs(tok):
     assert decode_outputs(tok, generated, ids.shape[1]) == [("BB", True), ("C<sep>EF", False)]
 
 
-# ---------------------------------------------------------------- datamodules
+# ---------------------------------------------------------------- the letter task and its datamodule
 
-SMALL = dict(n_train=240, n_val=40, n_test=60, batch_size=32, min_len=4, max_len=10)
-
-
-def test_config_validation():
-    with pytest.raises(ValueError, match=r"reg_data='kl' is not one of \['own', 'background', 'composition'"):
-        LettersDataConfig(reg_data="kl")
-    with pytest.raises(ValueError, match="corruption_prob"):
-        LettersDataConfig(corruption_prob=1.5)
-    with pytest.raises(ValueError, match="min_len <= max_len"):
-        LettersDataConfig(min_len=5, max_len=4)
+SMALL = dict(n_train=240, n_val=40, n_test=60, min_len=4, max_len=10)
 
 
-def test_background_datamodule(tok):
-    dm = BackgroundDataModule(tok, LettersDataConfig(corruption_prob=0.3, **SMALL))
-    dm.setup()
-    dm.setup("fit")  # idempotent
-    assert [len(dm.datasets[s]) for s in ("train", "val", "test")] == [240, 40, 60]
-    train, val, test = (set(dm.datasets[s]["x"]) for s in ("train", "val", "test"))
+def test_task_settings_and_construction_errors():
+    assert issubclass(TaskError, ValueError)
+    with pytest.raises(TaskError, match="min_len <= max_len"):
+        LettersConfig(min_len=5, max_len=4)
+    with pytest.raises(TaskError, match="task.n_val must be >= 1"):
+        LettersConfig(n_val=0)
+    with pytest.raises(TaskError, match=r"task.source_prob must be in \[0, 1\]"):
+        LettersConfig(source_prob=1.5)
+    with pytest.raises(TaskError, match="task.compositional_min_experts must be None or >= 2"):
+        LettersConfig(compositional_min_experts=1)
+    with pytest.raises(TaskError, match="task.alphabet: .*repeats the character 'A'"):
+        LettersConfig(alphabet="ABA")
+    cfg = LettersConfig(**SMALL)
+    with pytest.raises(TaskError, match=r"reg_data='kl' is not one of own, background, composition, own\+background"):
+        LettersTask(cfg, [expert(AB)], reg_data="kl")
+    with pytest.raises(TaskError, match=r"trained experts \['ef'\] are not among the experts in play \['ab', 'cd'\]"):
+        LettersTask(cfg, [expert(AB), expert(CD)], trained=["ef"])
+    with pytest.raises(TaskError, match="expert 'up': the letters task needs `rules`"):
+        LettersTask(cfg, [Expert("up", {"interval": {"start": "[", "end": "]"}})])
+    with pytest.raises(TaskError, match="experts: source letter 'A' is shared by experts 'ab' and 'ac'"):
+        LettersTask(cfg, [expert(AB), Expert("ac", {"rules": {"A": "C"}})])
+    with pytest.raises(TaskError, match="experts: rule set 'ab': rules key 'a'"):
+        LettersTask(cfg, [Expert("ab", {"rules": {"a": "B"}})])
+    with pytest.raises(TaskError, match="compositional_min_experts=3 exceeds the 2 experts in play"):
+        LettersTask(LettersConfig(compositional_min_experts=3, **SMALL), [expert(AB), expert(CD)])
+    task = LettersTask(cfg, [expert(AB)])
+    with pytest.raises(ValueError, match=r"corruption_prob must be in \[0, 1\]"):
+        task.collator(1.5)
+    with pytest.raises(ValueError, match="rows must be 'background' or 'experts'"):
+        TaskDataModule(task, "compositional")
+    for method in (task.background_dataset, task.expert_dataset, task.compositional_dataset):
+        with pytest.raises(ValueError, match="split must be one of"):
+            method("dev")
+
+
+def test_standard_experts_and_notes():
+    task = LettersTask(LettersConfig(alphabet="ABCDEFG", min_len=4, max_len=6), [expert(AB)])
+    assert task.standard_experts(3) == [{"name": "A_to_B", "rules": {"A": "B"}}, {"name": "C_to_D", "rules": {"C": "D"}},
+                                        {"name": "E_to_F", "rules": {"E": "F"}}]
+    with pytest.raises(TaskError, match="k=4 experts with disjoint single-letter rules need 8 letters; the alphabet has 7"):
+        task.standard_experts(4)
+    assert task.notes == []
+    overlapping = LettersTask(LettersConfig(**SMALL), [expert(AB), Expert("ac", {"rules": {"A": "C"}})],
+                              allow_overlap=True)
+    assert overlapping.notes == ["source letter 'A' is shared by experts 'ab' and 'ac'"]
+
+
+def test_background_rows_and_loaders(tok):
+    task = LettersTask(LettersConfig(**SMALL), [])
+    dm = TaskDataModule(task, "background", batch_size=32, corruption_prob=0.3)
+    assert [len(dm.dataset(s)) for s in ("train", "val", "test")] == [240, 40, 60]
+    assert dm.dataset("test") is task.background_dataset("test")  # built once
+    train, val, test = (set(task.background_dataset(s)["x"]) for s in ("train", "val", "test"))
     assert not (train & val) and not (train & test) and not (val & test)
-    assert all(row["y"] == row["x"] for row in dm.datasets["train"])
-    assert dm.copy_eval_inputs("test") == list(dm.datasets["test"]["x"])
+    assert all(row["y"] == row["x"] for row in task.background_dataset("train"))
+    # the background's rows do not depend on the experts in play
+    with_experts = LettersTask(LettersConfig(**SMALL), [expert(AB), expert(CD)], reg_data="composition")
+    assert with_experts.background_dataset("train")["x"] == task.background_dataset("train")["x"]
     batch = next(iter(dm.train_dataloader()))
     assert batch["masks"].shape == (32, 0, batch["input_ids"].shape[1])
     out = batch["targets"] != IGNORE_INDEX
     shifted = torch.roll(batch["input_ids"], -1, dims=1)
     # train batches are corrupted on teacher-forced outputs (targets stay clean) ...
     assert (shifted[out] != batch["targets"][out]).any()
-    vb = next(iter(dm.val_dataloader()))
-    out = vb["targets"] != IGNORE_INDEX
-    # ... val batches are clean: every target is the next input token
-    assert torch.equal(torch.roll(vb["input_ids"], -1, dims=1)[out], vb["targets"][out])
+    for loader in (dm.val_dataloader(), dm.test_dataloader()):
+        vb = next(iter(loader))
+        out = vb["targets"] != IGNORE_INDEX
+        # ... val and test batches are clean: every target is the next input token
+        assert torch.equal(torch.roll(vb["input_ids"], -1, dims=1)[out], vb["targets"][out])
 
 
-def test_expert_datamodule_batches_and_rows(tok):
-    cfg = LettersDataConfig(reg_data="background", corruption_prob=0.2, **SMALL)
-    dm = ExpertDataModule(tok, cfg, [AB, CD, EF])
-    dm.setup()
-    assert len(dm.datasets["train"]) == 3 * 2 * 240 and len(dm.datasets["val"]) == 3 * 40
+def test_expert_rows_and_batches(tok):
+    task = LettersTask(LettersConfig(**SMALL), [expert(AB), expert(CD), expert(EF)], reg_data="background")
+    dm = TaskDataModule(task, "experts", batch_size=32, corruption_prob=0.2)
+    train, val, test = (task.expert_dataset(s) for s in ("train", "val", "test"))
+    assert len(train) == 3 * 2 * 240 and len(val) == 3 * 40 and len(test) == 3 * 60
     batch = next(iter(dm.train_dataloader()))
     T = batch["input_ids"].shape[1]
     assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == {
@@ -300,69 +433,130 @@ def test_expert_datamodule_batches_and_rows(tok):
     }
     assert len(set(batch["expert_index"].tolist())) > 1 and set(batch["is_task"].tolist()) == {0, 1}
     assert batch["task_on_mask"].tolist() == batch["is_task"].tolist()  # copy rows: their masks hold copies
-    train = dm.datasets["train"]
     for row in train.select(range(0, len(train), 37)):
-        expert = (AB, CD, EF)[row["expert_index"]]
-        assert row["y"] == (expert.apply(row["x"]) if row["is_task"] else row["x"])
+        rs = (AB, CD, EF)[row["expert_index"]]
+        assert row["y"] == (rs.apply(row["x"]) if row["is_task"] else row["x"])
         n = len(row["x"])
         assert [t for t, m in enumerate(row["masks"][0]) if m] == [
-            n + 1 + j for j, ch in enumerate(row["x"]) if ch in expert.sources
+            n + 1 + j for j, ch in enumerate(row["x"]) if ch in rs.sources
         ]
     vb = next(iter(dm.val_dataloader()))
     assert vb["expert_index"].tolist() == [0] * 32 and vb["is_task"].tolist() == [1] * 32
-    assert sum("E" in x for x in dm.expert_eval_inputs(2, "val")) >= 20  # half planted with 'E'
-    assert dm.expert_eval_inputs(1, "test") == list(dm.datasets["test"].filter(lambda r: r["expert_index"] == 1)["x"])
-    # held-out splits avoid training inputs (task and regularizer rows)
-    train_x = set(train["x"])
-    assert not train_x & set(dm.datasets["val"]["x"]) and not train_x & set(dm.compositional_inputs("test"))
+    val_ef = val.filter(lambda r: r["expert_index"] == 2)
+    assert len(val_ef) == 40 and all(r["y"] == EF.apply(r["x"]) for r in val_ef)
+    assert sum("E" in x for x in val_ef["x"]) >= 20  # half planted with 'E'
+    # held-out splits avoid training inputs (task and regularizer rows), and each other
+    train_x, val_x, test_x = set(train["x"]), set(val["x"]), set(test["x"])
+    comp_val, comp_test = (set(task.compositional_dataset(s)["x"]) for s in ("val", "test"))
+    assert not train_x & (val_x | test_x | comp_val | comp_test)
+    assert not val_x & (test_x | comp_val | comp_test) and not comp_val & (test_x | comp_test)
     with pytest.raises(ValueError, match="split must be one of"):
-        dm.compositional_inputs("train")
+        task.compositional_dataset("train")
 
 
-def test_expert_datamodule_composition(tok):
+def test_composition_with_experts_trained_elsewhere(tok):
     gh = RuleSet("gh", {"G": "H"})
-    cfg = LettersDataConfig(reg_data="composition", **SMALL)
-    dm = ExpertDataModule(tok, cfg, [CD], composition_experts=[AB, CD, gh])
-    xs = dm.compositional_inputs("val")
+    task = LettersTask(LettersConfig(**SMALL), [expert(AB), expert(CD), expert(gh)], trained=["cd"],
+                       reg_data="composition")
+    xs = task.compositional_dataset("val")["x"]
     assert len(xs) == 40 and all("A" in x and "C" in x and "G" in x for x in xs)
-    comp = dm.compositional_dataset("test")
-    assert len(comp) == 60 and all(len(m) == 3 for m in comp["masks"])
+    comp = task.compositional_dataset("test")
+    assert len(comp) == 60 and all(len(m) == 3 for m in comp["masks"])  # one mask per expert in play
     assert comp[0]["y"] == apply_rules(comp[0]["x"], [AB, CD, gh])
-    reg = dm.datasets["train"].filter(lambda r: r["is_task"] == 0)
-    assert len(reg) == 240 and set(reg["expert_index"]) == {0}
+    n = len(comp[0]["x"])
+    for mask, rs in zip(comp[0]["masks"], (AB, CD, gh), strict=True):  # in composition order
+        assert [t for t, m in enumerate(mask) if m] == [n + 1 + j for j, ch in enumerate(comp[0]["x"]) if ch in rs.sources]
+    train = task.expert_dataset("train")
+    assert set(train["expert_index"]) == {0}  # only the trained expert, indexed in `trained`
+    reg = train.filter(lambda r: r["is_task"] == 0)
+    assert len(reg) == 240
     row = reg[0]
     assert row["y"] == apply_rules(row["x"], [AB, CD, gh])
     assert set(reg["task_on_mask"]) == {1}  # on its own mask the composed target is its own rule's
     n = len(row["x"])
     assert [t for t, m in enumerate(row["masks"][0]) if m] == [n + 1 + j for j, ch in enumerate(row["x"]) if ch == "C"]
-    with pytest.raises(ValueError, match="'ef' .* is trained but not in composition_experts"):
-        ExpertDataModule(tok, cfg, [EF], composition_experts=[AB, CD])
-    with pytest.raises(ValueError, match="shared by experts"):
-        ExpertDataModule(tok, cfg, [AB, RuleSet("ac", {"A": "C"})])
+    assert all(r["y"] == CD.apply(r["x"]) for r in task.expert_dataset("val"))
 
 
-def test_datamodules_are_deterministic_given_seed(tok):
-    cfg = LettersDataConfig(reg_data="own", corruption_prob=0.2, **SMALL)
-    a, b = ExpertDataModule(tok, cfg, [AB, CD]), ExpertDataModule(tok, cfg, [AB, CD])
+def test_tasks_are_deterministic_given_seed(tok):
+    cfg = LettersConfig(**SMALL)
+
+    def make(**kw):
+        return LettersTask(cfg, [expert(AB), expert(CD)], **kw)
+
+    a, b = make(), make()
     for split in ("train", "val", "test"):
-        assert a._built(split)["input_ids"] == b._built(split)["input_ids"]
-    assert a.compositional_inputs("test") == b.compositional_inputs("test")
-    torch.manual_seed(0)
-    batches_a = [x["input_ids"] for _, x in zip(range(3), a.train_dataloader(), strict=False)]
-    torch.manual_seed(0)
-    batches_b = [x["input_ids"] for _, x in zip(range(3), b.train_dataloader(), strict=False)]
-    assert all(torch.equal(x, y) for x, y in zip(batches_a, batches_b, strict=True))
-    c = ExpertDataModule(tok, LettersDataConfig(reg_data="own", seed=1, **SMALL), [AB, CD])
-    assert c._built("train")["x"] != a._built("train")["x"]
+        assert a.expert_dataset(split)["input_ids"] == b.expert_dataset(split)["input_ids"]
+        assert a.background_dataset(split)["input_ids"] == b.background_dataset(split)["input_ids"]
+    assert a.compositional_dataset("test")["x"] == b.compositional_dataset("test")["x"]
+
+    def batches(task):
+        torch.manual_seed(0)
+        loader = TaskDataModule(task, "experts", batch_size=32, corruption_prob=0.2).train_dataloader()
+        return [x["input_ids"] for _, x in zip(range(3), loader, strict=False)]
+
+    assert all(torch.equal(x, y) for x, y in zip(batches(a), batches(b), strict=True))
+    c = make(seed=1)
+    assert c.expert_dataset("train")["x"] != a.expert_dataset("train")["x"]
+    assert c.background_dataset("train")["x"] != a.background_dataset("train")["x"]
     # an expert's data depends on its name, not on which other experts train beside it
-    alone = ExpertDataModule(tok, cfg, [CD], composition_experts=[AB, CD])
-    assert alone.expert_eval_inputs(0, "val") == a.expert_eval_inputs(1, "val")
+    alone = make(trained=["cd"])
+    assert alone.expert_dataset("val")["x"] == a.expert_dataset("val").filter(lambda r: r["expert_index"] == 1)["x"]
 
 
-def test_non_lightning_modules_do_not_import_lightning():
+# ---------------------------------------------------------------- decoding-side evaluation
+
+
+class Oracle:
+    """Stands in for a ComposedLM in greedy decoding: reads `x` back from each `<bos> x <sep>` prompt and
+    'generates' `apply_rules(x, rule_sets)` then `<eos>` (or no `<eos>` with `eos=False`)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tok, rule_sets, eos: bool = True) -> None:
+        self.tok, self.rule_sets, self.eos = tok, list(rule_sets), eos
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+        out = []
+        for ids, attn in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            prompt = [t for t, m in zip(ids, attn, strict=True) if m]
+            x = self.tok.decode(prompt[1:-1])
+            new = self.tok.convert_tokens_to_ids(list(apply_rules(x, self.rule_sets)))
+            new = (new + [eos_token_id] * self.eos + [pad_token_id] * max_new_tokens)[:max_new_tokens]
+            out.append(ids + new)
+        return torch.tensor(out)
+
+
+def test_evaluation_decodes_each_component_on_its_own_rows(tok):
+    cfg = LettersConfig(source_prob=1.0, **SMALL)  # every expert row holds a source letter
+    task = LettersTask(cfg, [expert(AB), expert(CD)], trained=["cd"])
+    copy, ab, cd, both = Oracle(tok, []), Oracle(tok, [AB]), Oracle(tok, [CD]), Oracle(tok, [AB, CD])
+    assert task.evaluate_background(copy, "test", batch_size=16) == {"exact_match": 1.0}
+    assert task.evaluate_background(ab, "val", batch_size=16)["exact_match"] < 1.0
+    # `name` picks that trained expert's held-out rows (its index in `trained`, not in the experts in play)
+    assert task.evaluate_expert(cd, "cd", "test", batch_size=7) == {"exact_match": 1.0}
+    assert task.evaluate_expert(copy, "cd", "val", batch_size=16)["exact_match"] == 0.0
+    assert task.evaluate_expert(ab, "cd", "val", batch_size=16)["exact_match"] == 0.0
+    comp = task.compositional_dataset("test")
+    results = task.evaluate_composition(both, comp, batch_size=16)
+    assert results["exact_match"] == 1.0 and results["failures/correct"] == 1.0
+    assert results["ab/skill_accuracy"] == results["cd/skill_accuracy"] == 1.0
+    assert set(results) == {"exact_match", "ab/skill_accuracy", "cd/skill_accuracy", "failures/correct",
+                            "failures/rule_not_applied", "failures/wrong_letter_elsewhere", "failures/length_or_eos"}
+    half = task.evaluate_composition(ab, comp, batch_size=16)  # C is left alone: C_to_D's skill fails
+    assert half["exact_match"] == 0.0 and half["failures/rule_not_applied"] == 1.0
+    assert half["ab/skill_accuracy"] == 1.0 and half["cd/skill_accuracy"] == 0.0
+    no_eos = task.evaluate_composition(Oracle(tok, [AB, CD], eos=False), comp, batch_size=16)
+    assert no_eos["exact_match"] == 0.0 and no_eos["failures/length_or_eos"] == 1.0
+
+
+def test_data_modules_but_one_do_not_import_lightning():
     root = Path(__file__).resolve().parents[1] / "data"
-    for name in ("__init__.py", "letters.py", "tokenizer.py"):
-        tree = ast.parse((root / name).read_text())
+    files = sorted(p for p in root.rglob("*.py") if p.name != "datamodule.py")
+    assert {"__init__.py", "collate.py", "splits.py", "tokenizer.py", "rules.py", "task.py", "base.py"} <= {
+        p.name for p in files}
+    for path in files:
+        tree = ast.parse(path.read_text())
         modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.col_offset == 0]
-        assert not [m for m in modules if m.startswith(("lightning", "pytorch_lightning", "data.datamodules"))], name
+        assert not [m for m in modules if m.startswith(("lightning", "pytorch_lightning", "data.datamodule"))], path

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_modules.config import ConfigError, load_config
+from lightning_modules.pipeline.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "configs" / "default.yaml"
@@ -39,9 +39,12 @@ def test_fast_run_writes_everything(fast_run):
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["background"]["exact_match"] <= 1.0
+    assert (summary["experiment"], summary["task"]) == ("debug_fast", "letters")
     for name in ("A_to_B", "C_to_D"):
         assert 0.0 <= summary["experts"][name]["exact_match"] <= 1.0
         assert summary["experts"][name]["off_mask_kl"] >= 0.0
+        assert 0.0 <= summary["experts"][name]["active_precision"] <= 1.0
+        assert 0.0 <= summary["experts"][name]["active_recall"] <= 1.0
     assert 0.0 <= summary["composition"]["exact_match"] <= 1.0
     assert "task_arithmetic" in summary["baselines"]
     for k in ("2", "3"):
@@ -55,15 +58,23 @@ def test_fast_run_writes_everything(fast_run):
                 "train/A_to_B/nll", "train/C_to_D/off_mask_kl", "val/composed/projectivity_error"):
         assert key in header, key
     cfg = load_config([str(out / "config.yaml")])
-    assert cfg.experiment == "debug_fast"
+    assert cfg.experiment == "debug_fast" and (cfg.task.name, cfg.task.n_train) == ("letters", 256)
+    from compose.export import load_manifest
+
+    manifest = load_manifest(out / "export")
+    assert manifest["extra"]["task"] == "letters"
+    assert [(e["name"], e["spec"]) for e in manifest["experts"]] == [("A_to_B", {"rules": {"A": "B"}}),
+                                                                      ("C_to_D", {"rules": {"C": "D"}})]
 
 
 def test_export_reloads_with_the_same_composed_logprobs(fast_run):
     """The manifest's composition equals the trained model's, as checkpointed just before export."""
     from compose import ComposedLM
-    from data.letters import LettersCollator, RuleSet, build_letters_dataset, compositional_inputs
+    from data.collate import Collator
+    from data.tasks.letters import RuleSet, build_letters_dataset, compositional_inputs
+    from data.tokenizer import letter_ids
     from lightning_modules.expert import ExpertLM
-    from lightning_modules.models import load_pretrained
+    from lightning_modules.pipeline.models import load_pretrained
 
     out, _ = fast_run
     cfg = load_config([str(out / "config.yaml")])
@@ -74,8 +85,9 @@ def test_export_reloads_with_the_same_composed_logprobs(fast_run):
     state = torch.load(out / "checkpoints/experts/last.ckpt", map_location="cpu", weights_only=True)
     module.load_state_dict(state["state_dict"])
     rules = [RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})]
-    xs = compositional_inputs(8, cfg.data.alphabet, 8, 16, 123, rules)
-    batch = LettersCollator(reloaded.tokenizer, cfg.data.alphabet)(list(build_letters_dataset(xs, rules, rules, reloaded.tokenizer)))
+    tok = reloaded.tokenizer
+    xs = compositional_inputs(8, cfg.task.alphabet, 8, 16, 123, rules)
+    batch = Collator(tok.pad_token_id, letter_ids(tok, cfg.task.alphabet))(list(build_letters_dataset(xs, rules, rules, tok)))
     before = module.composed_model().score(batch["input_ids"], batch["attention_mask"])
     after = reloaded.score(batch["input_ids"], batch["attention_mask"])
     assert (before - after).abs().max() < 1e-5
@@ -105,7 +117,7 @@ def test_existing_output_dir_is_not_touched(tmp_path):
     out.mkdir()
     (out / "precious.txt").write_text("keep")
     cfg = load_config([str(FAST)], [f"output_dir={out}"], base=DEFAULT)
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     with pytest.raises(ConfigError, match="exists and is not empty"):
         run(cfg)
@@ -119,9 +131,11 @@ def test_existing_output_dir_is_not_touched(tmp_path):
     ("background.path=/nonexistent/model", "/nonexistent/model"),
     ("composition.compose_with=[/nonexistent/export]", "/nonexistent/export"),
     ("ablation_ks=[20]", "k=20"),
+    ("experts=[{name: a, interval: {start: '[', end: ']'}}]", "expert 'a': the letters task needs `rules`"),
+    ("task.compositional_min_experts=3", "compositional_min_experts=3 exceeds the 2 experts in play"),
 ])
 def test_bad_experiments_are_refused_before_writing(tmp_path, override, message):
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     out = tmp_path / "run"
     cfg = load_config([str(FAST)], [f"output_dir={out}", override], base=DEFAULT)
@@ -131,14 +145,16 @@ def test_bad_experiments_are_refused_before_writing(tmp_path, override, message)
 
 
 def test_compose_with_an_export_of_another_tokenizer_is_refused(fast_run, tmp_path):
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     out, _ = fast_run
-    cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'r'}", "data.alphabet=ABCDEFGH",
+    cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'r'}", "task.alphabet=ABCDEFGH",
                                      "experts=[{name: E_to_F, rules: {E: F}}]",
-                                     f"composition.compose_with=[{out / 'export'}]"], base=DEFAULT)
+                                     f"composition.compose_with=[{out / 'export'}]",
+                                     f"background.path={out / 'background'}"], base=DEFAULT)
     with pytest.raises(ConfigError, match="tokenizer of .* differs"):
         run(cfg)
+    assert not (tmp_path / "r").exists()
 
 
 def test_readme_composition_example_runs_on_an_export(fast_run, capsys):
@@ -182,19 +198,19 @@ def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(fast_run, tm
 
 
 def test_overlapping_experts_run_when_allowed_and_are_marked(tmp_path):
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'run'}", "ablations=[]", "baselines=[]",
                                      "experts=[{name: a, rules: {A: B}}, {name: b, rules: {A: B, C: D}}]",
                                      "composition.allow_overlap=true"], base=DEFAULT)
     summary = run(cfg)
-    assert summary["composition"]["overlapping_sources"] == ["source letter 'A' is shared by experts 'a' and 'b'"]
-    assert "Overlapping rule sources" in (tmp_path / "run" / "report.md").read_text()
+    assert summary["composition"]["notes"] == ["source letter 'A' is shared by experts 'a' and 'b'"]
+    assert "Notes from the task" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_a_new_expert_composes_with_an_earlier_export(fast_run, tmp_path):
     """Experts trained at different times: E_to_F trains alone, validated and tested with A_to_B, C_to_D."""
-    from lightning_modules.stages import run
+    from lightning_modules.pipeline.stages import run
 
     out, _ = fast_run
     common = [f"composition.compose_with=[{out / 'export'}]", "ablations=[]", "baselines=[]",
@@ -216,10 +232,60 @@ def test_a_new_expert_composes_with_an_earlier_export(fast_run, tmp_path):
 
 def _other_background(run_dir, dest):
     """A background folder with the same architecture but different weights."""
-    from lightning_modules.models import load_pretrained
+    from lightning_modules.pipeline.models import load_pretrained
 
     model = load_pretrained(run_dir / "background")
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     model.save_pretrained(dest)
     return dest
+
+
+def test_plan_names_trained_and_frozen_experts_without_writing(fast_run, tmp_path):
+    from data.tasks.letters import LettersTask
+    from lightning_modules.pipeline.stages import plan_run
+
+    out, _ = fast_run
+    cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'p'}", f"composition.compose_with=[{out / 'export'}]",
+                                    f"background.path={out / 'background'}",
+                                    "experts=[{name: E_to_F, weight: 0.5, rules: {E: F}}]"], base=DEFAULT)
+    plan = plan_run(cfg)
+    assert (plan.trained, plan.frozen, plan.in_play) == (["E_to_F"], ["A_to_B", "C_to_D"], ["E_to_F", "A_to_B", "C_to_D"])
+    assert isinstance(plan.task, LettersTask) and plan.task.expert_names == plan.in_play
+    assert plan.task.trained == ["E_to_F"] and plan.task.reg_data == cfg.expert.reg_data
+    assert plan.specs == {"E_to_F": {"rules": {"E": "F"}}, "A_to_B": {"rules": {"A": "B"}}, "C_to_D": {"rules": {"C": "D"}}}
+    assert plan.weights == {"E_to_F": 0.5, "A_to_B": 1.0, "C_to_D": 1.0}
+    assert set(plan.frozen_adapters) == {"A_to_B", "C_to_D"}
+    assert all(Path(p).is_dir() for p in plan.frozen_adapters.values())
+    assert plan.tokenizer is plan.task.tokenizer
+    assert not (tmp_path / "p").exists()
+
+
+def test_load_pretrained_accepts_a_larger_vocabulary_and_refuses_a_smaller_one(tmp_path):
+    """Pretrained checkpoints pad their embedding tables: more rows than the tokenizer has is fine."""
+    from data.tokenizer import build_char_tokenizer
+    from lightning_modules.pipeline.config import ModelConfig
+    from lightning_modules.pipeline.models import build_causal_lm, load_pretrained
+
+    small, large = build_char_tokenizer("ABCDEFGH"), build_char_tokenizer()
+    tiny = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    build_causal_lm(tiny, large).save_pretrained(tmp_path / "large")
+    build_causal_lm(tiny, small).save_pretrained(tmp_path / "small")
+    model = load_pretrained(tmp_path / "large", small)
+    assert model.get_output_embeddings().weight.shape[0] == len(large) == 31 > len(small) == 13
+    assert load_pretrained(tmp_path / "small", small).get_output_embeddings().weight.shape[0] == 13
+    with pytest.raises(ConfigError, match="small: the model's vocabulary has 13 tokens, fewer than the tokenizer's 31"):
+        load_pretrained(tmp_path / "small", large)
+    with pytest.raises(ConfigError, match="no HF model folder at"):
+        load_pretrained(tmp_path / "missing", small)
+
+
+def test_margin_decomposition_script_runs_on_a_finished_run(fast_run):
+    out, _ = fast_run
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "margin_decomposition.py"), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith(f"{out}: ") and "mask positions" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["owner", "others", "composed"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_modules.report import (
+from lightning_modules.pipeline.report import (
     plot_accuracy_vs_k,
     plot_divergence_heatmap,
     print_summary,
@@ -20,7 +20,7 @@ FAILURES = {"correct": 0.95, "rule_not_applied": 0.03, "wrong_letter_elsewhere":
 
 def _summary() -> dict:
     return {
-        "experiment": "letters", "seed": 3,
+        "experiment": "letters", "task": "letters", "seed": 3,
         "background": {"exact_match": 1.0},
         "experts": {
             "A_to_B": {"exact_match": 0.998, "off_mask_kl": 0.0033, "on_mask_kl": 7.0712,
@@ -90,6 +90,7 @@ def test_write_report_full(tmp_path):
     assert "| task arithmetic | 0.9300 | -0.0320 | 1.2345 |" in text
     assert "| ties | 0.5000 | -0.4620 | - |" in text
     assert "Task arithmetic merges" in text
+    assert "Notes from the task" not in text  # the task had none
     # ablations: k columns sorted numerically, missing cell shown as "-"
     assert "| variant | description | overrides | k=2 | k=4 | k=10 |" in text
     assert "| **plain** | no regularizer | `expert.reg_weight=0` | 0.6100 | 0.2468 | - |" in text
@@ -108,7 +109,7 @@ def test_write_report_minimal(tmp_path):
     """Only the background: no composition, no plots, still a valid report."""
     path = write_report({"experiment": "letters", "seed": 0, "background": {"exact_match": 0.75}}, tmp_path / "run")
     text = path.read_text()
-    assert "| background (copy) | 0.7500 | - | - | - | - |" in text
+    assert "| background | 0.7500 | - | - | - | - |" in text
     for absent in ("## Composition", "## Baselines", "## Ablations", "## Timing", "![", "**composition"):
         assert absent not in text
     assert "python train.py seed=0" in text
@@ -150,7 +151,7 @@ def test_print_summary(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "| component | exact match | off-mask KL | on-mask KL | max off-mask log-ratio | skill accuracy |" in lines
-    assert "| background (copy) | 1.0000 | - | - | - | - |" in lines
+    assert "| background | 1.0000 | - | - | - | - |" in lines
     assert "| expert A_to_B | 0.9980 | 0.0033 | 7.0712 | 7.5000 | 1.0000 |" in lines
     assert any(line.startswith("| **composition (k=2, n=1000)** | **0.9620** |") for line in lines)
     assert lines[-1] == "report: runs/letters/20260101-000000/report.md"
@@ -159,5 +160,35 @@ def test_print_summary(capsys):
 def test_print_summary_background_only(capsys):
     print_summary({"background": {"exact_match": 0.5}})
     out = capsys.readouterr().out
-    assert "| background (copy) | 0.5000 |" in out
+    assert "| background | 0.5000 |" in out
     assert "expert" not in out and "report:" not in out
+
+
+def test_task_notes_are_listed_once(tmp_path):
+    summary = _summary()
+    summary["composition"]["notes"] = ["source letter 'A' is shared by experts 'a' and 'b'"]
+    text = write_report(summary, tmp_path).read_text()
+    assert ("Notes from the task (e.g. experts whose masks can claim the same positions): "
+            "`source letter 'A' is shared by experts 'a' and 'b'`") in text
+    assert text.count("source letter 'A'") == 1  # not repeated among the composition's extra scalars
+
+
+def _token_map(lengths: list[int]) -> dict:
+    """A divergence map written by a run with a subword tokenizer: `tokens` label each target position."""
+    tokens = [["QB", "DX", "B", "<eos>"], ["ZZ", "DBB", "</s>"]]
+    experts = ["A_to_B", "C_to_D"]
+    divergence = [[[7.0 if (e + t) % 2 else 1e-3 for t in range(n)] for n in lengths] for e in range(2)]
+    masks = [[[int((e + t) % 2) for t in range(n)] for n in lengths] for e in range(2)]
+    return {"experts": experts, "inputs": ["QACXA", "ZZCAA"], "outputs": ["QBDXB", "ZZDBB"], "tokens": tokens,
+            "divergence": divergence, "masks": masks}
+
+
+def test_divergence_heatmap_labels_positions_with_the_runs_tokens(tmp_path):
+    # one label per position (the characters of `outputs` would give 5 + eos = 6 positions)
+    path = plot_divergence_heatmap(_token_map([4, 3]), tmp_path / "h.png")
+    assert path == tmp_path / "h.png"
+    _assert_png(path)
+    _assert_png(plot_divergence_heatmap(_token_map([5, 4]), tmp_path / "eos.png"))  # tokens + 1: an eos position
+    with pytest.raises(ValueError, match=r"divergence_map\['divergence'\]\[0\]\[1\] has 6 positions, expected 3 target tokens"):
+        plot_divergence_heatmap(_token_map([4, 6]), tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()

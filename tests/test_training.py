@@ -6,13 +6,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from data.datamodules import ExpertDataModule, LettersDataConfig
-from data.letters import RuleSet
+from data.datamodule import TaskDataModule
+from data.tasks import Expert
+from data.tasks.letters import LettersConfig, LettersTask, RuleSet
 from data.tokenizer import build_char_tokenizer
 from lightning_modules.background import BackgroundLM
-from lightning_modules.config import ModelConfig
 from lightning_modules.expert import ExpertLM, task_targets
-from lightning_modules.models import build_causal_lm
+from lightning_modules.pipeline.config import ModelConfig
+from lightning_modules.pipeline.models import build_causal_lm
 from losses import off_mask_divergence, task_nll
 
 ALPHABET = "ABCDEFGH"
@@ -31,10 +32,11 @@ def tiny_model(tokenizer, arch="llama"):
 
 
 def expert_batch(tokenizer, reg_data="own", n=64):
-    cfg = LettersDataConfig(alphabet=ALPHABET, min_len=4, max_len=6, n_train=n, n_val=16, n_test=16,
-                            batch_size=n, reg_data=reg_data, corruption_prob=0.0)
-    dm = ExpertDataModule(tokenizer, cfg, RULES)
-    dm.setup("fit")
+    """One training batch of both experts' rows (and the datamodule it came from)."""
+    cfg = LettersConfig(alphabet=ALPHABET, min_len=4, max_len=6, n_train=n, n_val=16, n_test=16)
+    task = LettersTask(cfg, [Expert(r.name, {"rules": dict(r.rules)}) for r in RULES], reg_data=reg_data)
+    assert task.tokenizer.get_vocab() == tokenizer.get_vocab()
+    dm = TaskDataModule(task, "experts", batch_size=n, corruption_prob=0.0)
     return next(iter(dm.train_dataloader())), dm
 
 
@@ -182,3 +184,29 @@ def test_head_mode_trains_only_the_output_layer_and_merges_exactly(tokenizer):
         merged_lp = merged(input_ids=ids, attention_mask=attn).logits.log_softmax(-1)
     assert max_logprob_gap(merged_lp, composed, attn.bool()) < 1e-4
     assert max_logprob_gap(module.background_logits(ids, attn), composed, attn.bool()) > 1e-3  # experts moved
+
+
+def test_composition_evaluation_logs_the_tasks_metrics_on_limited_val_rows(tokenizer):
+    """The validation callback composes every expert in play, in the task's order, and logs under
+    `val/composed/` what `Task.composition_metrics` returns on at most `limit` compositional val rows."""
+    from lightning_modules.callbacks import CompositionEvaluation
+
+    calls = []
+
+    class SpyTask(LettersTask):
+        def composition_metrics(self, model, dataset, batch_size, active_threshold=0.01):
+            calls.append((len(dataset), list(model.names), batch_size, active_threshold))
+            return super().composition_metrics(model, dataset, batch_size, active_threshold)
+
+    cfg = LettersConfig(alphabet=ALPHABET, min_len=4, max_len=6, n_train=16, n_val=16, n_test=16)
+    task = SpyTask(cfg, [Expert(r.name, {"rules": dict(r.rules)}) for r in RULES])
+    module = ExpertLM(tiny_model(tokenizer), task.trained, max_steps=1)
+    callback = CompositionEvaluation(task, batch_size=4, limit=6, active_threshold=0.05)
+    t = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=[callback])
+    t.validate(module, datamodule=TaskDataModule(task, "experts", batch_size=16), verbose=False)
+    assert calls == [(6, ["A_to_B", "C_to_D"], 4, 0.05)]
+    for key in ("exact_match", "nll", "projectivity_error", "A_to_B/skill_accuracy", "C_to_D/on_mask_kl",
+                "A_to_B/active_precision", "C_to_D/active_recall", "failures/correct", "overlap/A_to_B__C_to_D"):
+        assert key in callback.last, key
+        assert t.callback_metrics[f"val/composed/{key}"].item() == pytest.approx(callback.last[key])
