@@ -373,6 +373,8 @@ class ComposedLM(nn.Module):
         pad_token_id: int | None = None,
         gates: Sequence[Gate | None] | None = None,
         generator: torch.Generator | None = None,
+        stop_strings: Sequence[str] | None = None,
+        tokenizer=None,
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
@@ -396,10 +398,17 @@ class ComposedLM(nn.Module):
                 ``composition="gated"`` and no gates, each expert with an ``interval`` spec gets an
                 :class:`compose.gating.IntervalGate` over the tokens after the prompt.
             generator: a ``torch.Generator`` for reproducible sampling.
+            stop_strings: a row also finishes once its generated text (the tokens after the prompt)
+                contains one of these strings (transformers' ``StopStringCriteria``); it is then padded
+                like a row that emitted EOS. The stop string stays in the output.
+            tokenizer: the tokenizer ``stop_strings`` are matched with (default: :attr:`tokenizer`).
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
-            sequence has emitted EOS; finished rows are filled with ``pad_token_id``).
+            sequence has emitted EOS or a stop string; finished rows are filled with ``pad_token_id``).
+
+        Raises:
+            ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows.
         """
         device = self.device
         input_ids = input_ids.to(device)
@@ -420,6 +429,8 @@ class ComposedLM(nn.Module):
         if gates is not None and len(gates) != self.num_experts:
             raise ValueError(f"gates has {len(gates)} entries but there are {self.num_experts} experts")
         processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+        stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
+        prompt_len = input_ids.shape[1]
 
         batch = input_ids.shape[0]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -436,10 +447,13 @@ class ComposedLM(nn.Module):
                     next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 else:
                     next_tokens = scores.argmax(-1)
-                if eos is not None:
+                if eos is not None or stopper is not None:
                     next_tokens = torch.where(unfinished, next_tokens, pad)
+                if eos is not None:
                     unfinished &= ~torch.isin(next_tokens, eos)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                if stopper is not None:
+                    unfinished &= ~stopper(input_ids[:, prompt_len:], None).to(device)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
                 if step == max_new_tokens - 1 or not bool(unfinished.any()):
                     break
@@ -489,6 +503,24 @@ def _infer_attention_mask(input_ids: Tensor, eos: Tensor | None, pad: Tensor | N
     if eos is not None and bool(torch.isin(eos, pad).any()):
         return ones
     return input_ids.ne(pad).long()
+
+
+def _stop_criteria(stop_strings: Sequence[str] | None, tokenizer, pad: Tensor | None):
+    """transformers' ``StopStringCriteria`` for ``stop_strings`` (None when there are none)."""
+    if stop_strings is None:
+        return None
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    stop_strings = [s for s in stop_strings if s]
+    if not stop_strings:
+        return None
+    if tokenizer is None:
+        raise ValueError("stop_strings are matched on decoded tokens: pass tokenizer= or give ComposedLM a tokenizer")
+    if pad is None:
+        raise ValueError("stop_strings need a pad_token_id (or an eos_token_id) to fill the rows that stopped")
+    from transformers import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, list(stop_strings))
 
 
 def _warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:

@@ -59,7 +59,7 @@ def test_roundtrip_both_backends(tmp_path, arch):
     for backend in ("adapters", "separate"):
         loaded = ComposedLM.from_manifest(path, backend=backend, device="cpu")
         assert loaded.backend == backend and loaded.names == ["a2b", "c2d"] and loaded.weights == [1.0, 0.5]
-        assert dict(zip(loaded.names, loaded.specs)) == SPECS and loaded.tokenizer.get_vocab() == char_tokenizer().get_vocab()
+        assert dict(zip(loaded.names, loaded.specs, strict=True)) == SPECS and loaded.tokenizer.get_vocab() == char_tokenizer().get_vocab()
         assert loaded.tokenizer.eos_token == "<eos>"
         diff = (loaded.score(ids, mask) - original).abs().max().item()
         assert diff < 1e-5, (backend, diff)

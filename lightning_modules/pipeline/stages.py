@@ -29,8 +29,14 @@ from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
 from lightning_modules.expert import ExpertLM
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
-from lightning_modules.pipeline.config import ConfigError, expert_spec, task_settings
-from lightning_modules.pipeline.models import build_causal_lm, count_parameters, load_pretrained
+from lightning_modules.pipeline.config import ConfigError, expert_spec, lora_target_modules, task_settings
+from lightning_modules.pipeline.models import (
+    build_causal_lm,
+    count_parameters,
+    load_options,
+    load_pretrained,
+    pretrained_folder,
+)
 from lightning_modules.pipeline.report import write_report
 from losses import IGNORE_INDEX, divergence
 
@@ -107,14 +113,17 @@ def plan_run(cfg: DictConfig) -> Plan:
     check_ablations(cfg, task)
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
-            load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, cfg.model.trust_remote_code, where=key)
+            load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
+            _check_saved_tokenizer(Path(OmegaConf.select(cfg, key)), task.tokenizer, key)
     return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
                 weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
 
 
 def model_tokenizer(cfg: DictConfig):
-    """The tokenizer saved with `model.pretrained_path` (a pretrained HF folder), if it has one; else None."""
-    folder = Path(cfg.model.pretrained_path) if cfg.model.pretrained_path else None
+    """The tokenizer saved with `model.pretrained_path` (a pretrained HF folder, or the folder a `.gguf` file or
+    `smollm2` converts to), if it has one; else None."""
+    path = cfg.model.pretrained_path
+    folder = pretrained_folder(path, "model.pretrained_path") if path else None
     if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
@@ -123,6 +132,24 @@ def model_tokenizer(cfg: DictConfig):
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
         raise ConfigError(f"model.pretrained_path: cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
+
+
+def _check_saved_tokenizer(folder: Path, tokenizer, key: str) -> None:
+    """A model folder saved with a tokenizer (in it, or beside it as a run's or an export's `tokenizer/`) must
+    have been trained with this task's token ids: a larger embedding table alone does not show that."""
+    from transformers import AutoTokenizer
+
+    for where in (folder, folder.parent / "tokenizer"):
+        if (where / "tokenizer.json").is_file() or (where / "tokenizer_config.json").is_file():
+            try:
+                theirs = AutoTokenizer.from_pretrained(where).get_vocab()
+            except Exception:
+                continue
+            ours = tokenizer.get_vocab()
+            if any(theirs.get(token) != i for token, i in ours.items()):
+                raise ConfigError(f"{key}={folder}: its tokenizer ({where}) maps tokens to other ids than this "
+                                  "run's (a different alphabet or tokenizer)")
+            return
 
 
 def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
@@ -144,7 +171,7 @@ def _check_same_background(manifest: dict, export: str, background_path: str | N
     if not background_path:
         raise ConfigError(f"composition.compose_with: set background.path to the background the experts of "
                           f"{export} were trained on (e.g. background.path={theirs})")
-    if not _same_weights(Path(background_path), theirs):
+    if not _same_weights(pretrained_folder(background_path, "background.path"), theirs):
         raise ConfigError(f"composition.compose_with: the background of {export} ({theirs}) differs from "
                           f"background.path={background_path}")
 
@@ -205,7 +232,7 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
 def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     """Train (or take) the background; return its HF folder."""
     if cfg.background.path:
-        return Path(cfg.background.path)
+        return pretrained_folder(cfg.background.path, "background.path")
     path = plan.out / "background"
     if (path / "config.json").is_file():  # finished earlier (resumed run)
         return path
@@ -222,11 +249,10 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
 
 def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     e = cfg.expert
-    target = e.lora.target_modules
     return ExpertLM(
-        load_pretrained(background_path, plan.tokenizer), plan.trained, mode=e.mode,
-        lora_r=e.lora.r, lora_alpha=e.lora.alpha,
-        target_modules=target if isinstance(target, str) else list(target),
+        load_pretrained(background_path, plan.tokenizer, **load_options(cfg.model, cfg.trainer, frozen=e.mode == "lora")),
+        plan.trained, mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
+        target_modules=lora_target_modules(cfg),
         reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
         task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
         warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, frozen_adapters=plan.frozen_adapters,

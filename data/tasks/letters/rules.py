@@ -30,6 +30,7 @@ import torch
 from torch import LongTensor
 from transformers import PreTrainedTokenizerBase
 
+from data.generation import decode_until_eos, left_padded
 from data.tokenizer import validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -447,6 +448,19 @@ def dataset_builder(format: str) -> Callable[..., datasets.Dataset]:
     return _BUILDERS[check_format(format)]
 
 
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> list[list[int]]:
+    """Token ids of the prompts ``<bos> x <sep>``."""
+    bos, sep = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id"))
+    vocab = _letter_vocab(tokenizer)
+    out = []
+    for b, x in enumerate(xs):
+        try:
+            out.append([bos, *(vocab[ch] for ch in x), sep])
+        except KeyError as err:
+            raise ValueError(f"xs[{b}]={x!r} has a character that is not a letter of the tokenizer") from err
+    return out
+
+
 def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:
     """Prompts ``<bos> x <sep>`` for generation, LEFT-padded with the pad id.
 
@@ -455,20 +469,7 @@ def prompt_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple
     """
     if not xs:
         raise ValueError("prompt_batch got no inputs")
-    bos, sep, pad = (_special_id(tokenizer, a) for a in ("bos_token_id", "sep_token_id", "pad_token_id"))
-    specials = set(tokenizer.all_special_tokens)
-    vocab = {tok: i for tok, i in tokenizer.get_vocab().items() if tok not in specials}
-    width = 2 + max(len(x) for x in xs)
-    input_ids = torch.full((len(xs), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(xs), width), dtype=torch.long)
-    for b, x in enumerate(xs):
-        try:
-            ids = [bos, *(vocab[ch] for ch in x), sep]
-        except KeyError as err:
-            raise ValueError(f"xs[{b}]={x!r} has a character that is not a letter of the tokenizer") from err
-        input_ids[b, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[b, width - len(ids) :] = 1
-    return input_ids, attention_mask
+    return left_padded(prompt_ids(tokenizer, xs), _special_id(tokenizer, "pad_token_id"))
 
 
 def aligned_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tuple[LongTensor, LongTensor]:
@@ -498,23 +499,11 @@ def aligned_batch(tokenizer: PreTrainedTokenizerBase, xs: Sequence[str]) -> tupl
 def decode_outputs(
     tokenizer: PreTrainedTokenizerBase, generated: LongTensor, prompt_len: int
 ) -> list[tuple[str, bool]]:
-    """Read the outputs out of generated sequences.
-
-    Args:
-        generated: ``[B, prompt_len + new]`` ids (the prompt followed by what was generated).
-        prompt_len: width of the (left-padded) prompt.
+    """Read the outputs out of generated sequences ``[B, prompt_len + new]`` (prompt, then what was generated).
 
     Returns:
         One ``(text, ended_with_eos)`` per row: ``text`` holds the tokens after the prompt up to the first
         ``<eos>`` (exclusive). Special tokens generated before ``<eos>`` are kept in ``text`` (as
         ``"<sep>"`` etc.), so a malformed output never matches a letter string.
     """
-    eos = _special_id(tokenizer, "eos_token_id")
-    if generated.dim() != 2 or not 0 <= prompt_len <= generated.shape[1]:
-        raise ValueError(f"generated must be [B, T] with T >= prompt_len={prompt_len}, got {tuple(generated.shape)}")
-    out = []
-    for row in generated[:, prompt_len:].tolist():
-        ended = eos in row
-        ids = row[: row.index(eos)] if ended else row
-        out.append((tokenizer.decode(ids, skip_special_tokens=False), ended))
-    return out
+    return decode_until_eos(tokenizer, generated, prompt_len, _special_id(tokenizer, "eos_token_id"))

@@ -19,6 +19,7 @@ import torch
 
 from compose.metrics import ExactMatch, FailureTypes, SkillAccuracy
 from data.collate import Collator
+from data.generation import greedy_decode
 from data.splits import derive_seed, draw_excluding
 from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
 from data.tasks.letters.rules import (
@@ -27,9 +28,8 @@ from data.tasks.letters.rules import (
     apply_rules,
     compositional_inputs,
     dataset_builder,
-    decode_outputs,
     expert_inputs,
-    prompt_batch,
+    prompt_ids,
     sample_strings,
     validate_rule_sets,
 )
@@ -264,20 +264,11 @@ def _check_split(split: str, allowed: Sequence[str]) -> None:
         raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
 
 
-@torch.no_grad()
 def greedy_outputs(model, tokenizer, xs: Sequence[str], batch_size: int = 250) -> tuple[list[str], list[bool]]:
-    """Greedy outputs of `<bos> x <sep>` (letters up to <eos>, at most `len(x) + 2` new tokens) and whether
-    each ended with <eos>."""
-    texts, ended = [], []
-    for start in range(0, len(xs), batch_size):
-        chunk = list(xs[start:start + batch_size])
-        ids, attn = prompt_batch(tokenizer, chunk)
-        out = model.generate(ids.to(model.device), attn.to(model.device), max_new_tokens=max(map(len, chunk)) + 2,
-                             do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for text, eos in decode_outputs(tokenizer, out.cpu(), ids.shape[1]):
-            texts.append(text)
-            ended.append(eos)
-    return texts, ended
+    """Greedy outputs of `<bos> x <sep>` (letters up to <eos>, at most `len(x) + 2` new tokens per batch's
+    longest `x`) and whether each ended with <eos>."""
+    return greedy_decode(model, tokenizer, prompt_ids(tokenizer, xs), batch_size,
+                         lambda chunk: max(map(len, chunk)))  # prompt = <bos> x <sep>: len(x) + 2
 
 
 @torch.no_grad()
