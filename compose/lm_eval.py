@@ -241,12 +241,12 @@ class ComposedLMEval(TemplateLM):
                 inps.append(window[:-1])
                 prompt_lens.append(len(window) - len(continuation_enc))
             logprobs = self._composed_logprobs(inps, prompt_lens)
-            for (request_str, ctx_tokens, _), lp, inp in zip(chunk, logprobs, inps, strict=True):
-                contlen = len(_)  # the group's longest continuation (as HFLM's Collator picks it)
-                lp = lp[len(inp) - contlen : len(inp)].unsqueeze(0)  # [1, contlen, V]
+            for (request_str, ctx_tokens, cont_enc), lp, inp in zip(chunk, logprobs, inps, strict=True):
+                # cont_enc is the longest continuation of its group (the one the Collator kept)
+                lp = lp[len(inp) - len(cont_enc) : len(inp)].unsqueeze(0)  # [1, contlen, V]
                 greedy = lp.argmax(-1)
                 for req_str, cont_toks, cont_lp in collator.get_cache(
-                    req_str=request_str, cxt_toks=ctx_tokens, cont_toks=_, logits=lp
+                    req_str=request_str, cxt_toks=ctx_tokens, cont_toks=cont_enc, logits=lp
                 ):
                     cont = torch.tensor(cont_toks, dtype=torch.long, device=cont_lp.device).unsqueeze(0)
                     is_greedy = bool((greedy[:, -cont.shape[1]:] == cont).all())
@@ -409,11 +409,12 @@ def check_export_tokenizer(path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------- command line
 
 
-def resolve_tasks(tasks: Sequence[str], include_path: str | None):
+def resolve_tasks(tasks: Sequence[str], include_path: str | None, include_defaults: bool = True):
     """``(task names, TaskManager)`` for ``tasks`` (names or glob patterns, or YAML files).
 
-    Plain tasks found under ``include_path`` are loaded from there alone (lm-eval's built-in index is
-    slow to build); anything else also searches lm-eval's own tasks.
+    Plain tasks found under ``include_path`` are loaded from there alone (indexing lm-eval's ~15k
+    built-in tasks takes half a minute); anything else also searches lm-eval's own tasks, unless
+    ``include_defaults`` is False.
 
     Raises:
         ValueError: one line naming every task that exists nowhere.
@@ -426,15 +427,16 @@ def resolve_tasks(tasks: Sequence[str], include_path: str | None):
     if include_path is not None:
         local = TaskManager(include_path=include_path, include_defaults=False)
         names = _match(local, tasks)
-        kinds = {local.task_index[n].kind for n in names if n in local.task_index}
-        if names is not None and kinds <= {Kind.TASK, Kind.PY_TASK}:
+        if names is not None and (not include_defaults or all(
+            local.task_index[n].kind in (Kind.TASK, Kind.PY_TASK) for n in names if n in local.task_index
+        )):
             return names, local
-    manager = TaskManager(include_path=include_path)
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
     names = _match(manager, tasks)
     if names is None:
         missing = [t for t in tasks if not manager.match_tasks([t]) and not Path(t).is_file()]
-        where = "lm-eval's tasks" + (f" or under {include_path}" if include_path else "")
-        raise ValueError(f"unknown lm-eval task(s) {', '.join(missing)} (not in {where})")
+        where = " or ".join((["lm-eval's tasks"] if include_defaults else []) + ([include_path] if include_path else []))
+        raise ValueError(f"unknown lm-eval task(s) {', '.join(missing)} (not in {where or 'any task folder'})")
     return names, manager
 
 
@@ -454,6 +456,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="export folder (composition.yaml)")
     p.add_argument("--tasks", required=True, help="comma-separated task names, glob patterns or YAML files")
     p.add_argument("--include_path", default=None, help="folder of extra task YAMLs")
+    p.add_argument("--no_default_tasks", action="store_true",
+                   help="index only --include_path, not lm-eval's built-in tasks (faster)")
     p.add_argument("--limit", type=float, default=None, help="at most this many examples per task (<1: a fraction)")
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--composition", choices=("soft", "gated"), default="soft")
@@ -477,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not tasks:
             raise ValueError("--tasks is empty")
-        names, manager = resolve_tasks(tasks, args.include_path)
+        names, manager = resolve_tasks(tasks, args.include_path, include_defaults=not args.no_default_tasks)
         model_args = {"manifest": args.manifest, "composition": args.composition, "backend": args.backend,
                       "batch_size": args.batch_size}
         if args.device:
