@@ -249,8 +249,9 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
 
 def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     e = cfg.expert
+    options = load_options(cfg.model, cfg.trainer, frozen=e.mode == "lora")  # full/head copies train: float32
     return ExpertLM(
-        load_pretrained(background_path, plan.tokenizer, **load_options(cfg.model, cfg.trainer, frozen=e.mode == "lora")),
+        load_pretrained(background_path, plan.tokenizer, **options),
         plan.trained, mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
         target_modules=lora_target_modules(cfg),
         reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
