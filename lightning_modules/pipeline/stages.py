@@ -114,24 +114,26 @@ def plan_run(cfg: DictConfig) -> Plan:
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
             load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
-            _check_saved_tokenizer(Path(OmegaConf.select(cfg, key)), task.tokenizer, key)
+            _check_saved_tokenizer(pretrained_folder(OmegaConf.select(cfg, key), key), task.tokenizer, key)
     return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
                 weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
 
 
 def model_tokenizer(cfg: DictConfig):
-    """The tokenizer saved with `model.pretrained_path` (a pretrained HF folder, or the folder a `.gguf` file or
-    `smollm2` converts to), if it has one; else None."""
-    path = cfg.model.pretrained_path
-    folder = pretrained_folder(path, "model.pretrained_path") if path else None
-    if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
+    """The tokenizer saved inside the pretrained model's folder (`model.pretrained_path`, else `background.path`;
+    an HF folder, or the folder a `.gguf` file or `smollm2` converts to), if it has one; else None."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception as e:
-        raise ConfigError(f"model.pretrained_path: cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
+    for key in ("model.pretrained_path", "background.path"):
+        path = OmegaConf.select(cfg, key)
+        folder = pretrained_folder(path, key) if path else None
+        if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+        except Exception as e:
+            raise ConfigError(f"{key}: cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
+    return None
 
 
 def _check_saved_tokenizer(folder: Path, tokenizer, key: str) -> None:
