@@ -32,6 +32,10 @@ def main(argv: list[str]) -> int:
 
     from lightning_modules.pipeline.config import ConfigError, load_config
 
+    if not print_only:
+        from lightning_modules.pipeline.console import quiet
+
+        quiet()  # no library noise on the console (lightning_modules/pipeline/console.py)
     try:
         cfg = load_config(files, overrides, base=DEFAULT)
         if print_only:

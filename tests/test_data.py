@@ -350,7 +350,7 @@ def test_task_settings_and_construction_errors():
     assert issubclass(TaskError, ValueError)
     with pytest.raises(TaskError, match="min_len <= max_len"):
         LettersConfig(min_len=5, max_len=4)
-    with pytest.raises(TaskError, match="task.n_val must be >= 1"):
+    with pytest.raises(TaskError, match=r"task.n_val=0: must be an integer in \[1, "):
         LettersConfig(n_val=0)
     with pytest.raises(TaskError, match=r"task.source_prob must be in \[0, 1\]"):
         LettersConfig(source_prob=1.5)

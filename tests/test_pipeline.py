@@ -138,7 +138,7 @@ def test_bad_experiments_are_refused_before_writing(tmp_path, override, message)
     from lightning_modules.pipeline.stages import run
 
     out = tmp_path / "run"
-    cfg = load_config([str(FAST)], [f"output_dir={out}", override], base=DEFAULT)
+    cfg = load_config([str(FAST)], [f"output_dir={out}", "ablations=[]", override], base=DEFAULT)  # see test_bad_input
     with pytest.raises(ConfigError, match=message):
         run(cfg)
     assert not out.exists()
@@ -150,7 +150,7 @@ def test_compose_with_an_export_of_another_tokenizer_is_refused(fast_run, tmp_pa
     out, _ = fast_run
     cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'r'}", "task.alphabet=ABCDEFGH",
                                      "experts=[{name: E_to_F, rules: {E: F}}]",
-                                     f"composition.compose_with=[{out / 'export'}]",
+                                     f"composition.compose_with=[{out / 'export'}]", "ablations=[]",
                                      f"background.path={out / 'background'}"], base=DEFAULT)
     with pytest.raises(ConfigError, match="tokenizer of .* differs"):
         run(cfg)
@@ -247,7 +247,7 @@ def test_plan_names_trained_and_frozen_experts_without_writing(fast_run, tmp_pat
 
     out, _ = fast_run
     cfg = load_config([str(FAST)], [f"output_dir={tmp_path / 'p'}", f"composition.compose_with=[{out / 'export'}]",
-                                    f"background.path={out / 'background'}",
+                                    f"background.path={out / 'background'}", "ablations=[]",
                                     "experts=[{name: E_to_F, weight: 0.5, rules: {E: F}}]"], base=DEFAULT)
     plan = plan_run(cfg)
     assert (plan.trained, plan.frozen, plan.in_play) == (["E_to_F"], ["A_to_B", "C_to_D"], ["E_to_F", "A_to_B", "C_to_D"])

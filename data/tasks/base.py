@@ -40,6 +40,26 @@ class TaskError(ValueError):
     """Bad task input (a data file, a row, an interval spec, a tokenizer): one line naming it."""
 
 
+# Synthetic splits are built in memory, in Python (letters, measured: ~0.7 KB and ~0.1 ms per 35-token row, so
+# 1M rows of one expert's split take ~0.7 GB and minutes). Larger requests are refused before anything is built.
+MAX_ROWS = 1_000_000  # per split and expert (task.n_train, n_val, n_test)
+MAX_SPLIT_TOKENS = 100_000_000  # rows x longest row, per split and expert (~2 GB)
+
+
+def check_split_sizes(settings: Any, row_tokens: int, keys: Sequence[str] = ("n_train", "n_val", "n_test")) -> None:
+    """Raise `TaskError` naming `task.<key>` unless each split size is in [1, MAX_ROWS] and its rows of up to
+    `row_tokens` tokens stay under MAX_SPLIT_TOKENS."""
+    for key in keys:
+        n = getattr(settings, key)
+        if n < 1 or n > MAX_ROWS:
+            raise TaskError(f"task.{key}={n}: must be an integer in [1, {MAX_ROWS:,}] (rows per split and expert, "
+                            "built in memory: data/tasks/base.py MAX_ROWS)")
+        if n * row_tokens > MAX_SPLIT_TOKENS:
+            raise TaskError(f"task.{key}={n} rows of up to {row_tokens} tokens (task.max_len={settings.max_len}) "
+                            f"exceed {MAX_SPLIT_TOKENS:,} tokens per split and expert (built in memory: "
+                            "data/tasks/base.py MAX_SPLIT_TOKENS); lower task.max_len or the split size")
+
+
 @dataclass(frozen=True)
 class Expert:
     """One expert as a task sees it.
@@ -102,6 +122,13 @@ class Task(ABC):
     @property
     def expert_names(self) -> list[str]:
         return [e.name for e in self.experts]
+
+    @property
+    def max_row_length(self) -> int | None:
+        """Tokens in the longest row the task builds, where its settings bound it before anything is built
+        (`max_row_length` of the settings); None: unknown. The pipeline checks it against a model built from
+        scratch (`model.max_position_embeddings`)."""
+        return getattr(self.cfg, "max_row_length", None)
 
     @property
     def notes(self) -> list[str]:

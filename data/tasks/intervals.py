@@ -35,7 +35,7 @@ from data.collate import Collator
 from data.generation import greedy_decode
 from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split_sizes
 from data.tokenizer import build_char_tokenizer, validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -103,15 +103,18 @@ class IntervalsConfig:
             a, b = getattr(self, low), getattr(self, high)
             if a < 1 or b < a:
                 raise TaskError(f"task: need 1 <= {low} <= {high}, got {low}={a}, {high}={b}")
-        for key in ("n_train", "n_val", "n_test"):
-            if getattr(self, key) < 1:
-                raise TaskError(f"task.{key} must be >= 1, got {getattr(self, key)}")
+        check_split_sizes(self, self.max_row_length)
         if not 0.0 <= self.source_prob <= 1.0:
             raise TaskError(f"task.source_prob must be in [0, 1], got {self.source_prob}")
         m = self.compositional_min_experts
         if m is not None and m < 2:
             raise TaskError(f"task.compositional_min_experts must be None or >= 2, got {m}")
         self.skills = {str(k): str(v) for k, v in dict(self.skills or {}).items()}
+
+    @property
+    def max_row_length(self) -> int:
+        """Tokens in a row `<bos> x <sep> y <eos>` with `x` of max_len (a row may grow to fit its segments)."""
+        return 2 * self.max_len + 3
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ wrong type is a one-line `ConfigError` naming the key (with close matches).
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +195,7 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, prefix: str = "") -> ConfigError:
     key = getattr(err, "full_key", None) or ""
     key = f"{prefix}{key}" if key else key
-    msg = getattr(err, "msg", str(err)).splitlines()[0]
+    msg = (getattr(err, "msg", None) or str(err) or type(err).__name__).splitlines()[0]
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
         close = difflib.get_close_matches(key, _all_keys(schema), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -201,10 +203,28 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, prefi
     return ConfigError(f"{source}: bad value for '{key}': {msg}" if key else f"{source}: {msg}")
 
 
+def _kind_mismatch(cfg: Any, update: Any, prefix: str = "") -> str:
+    """Where `update` puts a list over a mapping of `cfg` or the reverse, said in one line."""
+    for key in update.keys() if isinstance(update, DictConfig) else []:
+        theirs, ours = update._get_node(key), cfg._get_node(key) if isinstance(cfg, DictConfig) and key in cfg else None
+        if isinstance(theirs, DictConfig) and isinstance(ours, DictConfig):
+            found = _kind_mismatch(ours, theirs, f"{prefix}{key}.")
+            if found:
+                return found
+        elif isinstance(ours, ListConfig | DictConfig) and type(theirs) is not type(ours):
+            want = "a list" if isinstance(ours, ListConfig) else "a mapping"
+            got = {ListConfig: "a list", DictConfig: "a mapping"}.get(type(theirs), repr(update[key]))
+            return f"bad value for '{prefix}{key}': must be {want}, got {got}"
+    return f"bad value{f' under {prefix[:-1]}' if prefix else ''}: a list where a mapping belongs, or the reverse"
+
+
 def _merge(cfg: DictConfig, update: Any) -> DictConfig:
     """Merge `update` over `cfg`; a `task.name` that switches task replaces the whole `task:` node (the old
     task's settings mean nothing to the new one)."""
-    new_name = OmegaConf.select(update, "task.name") if isinstance(update, DictConfig) else None
+    task = update.get("task") if isinstance(update, DictConfig) else None
+    if task is not None and not isinstance(task, DictConfig):
+        raise ConfigError(f"task: must be a mapping with a 'name' (letters, intervals or text), got {task!r}")
+    new_name = task.get("name") if isinstance(task, DictConfig) else None
     if new_name is not None and new_name != OmegaConf.select(cfg, "task.name"):
         cfg = cfg.copy()
         cfg.task = {"name": new_name}
@@ -217,7 +237,12 @@ def _apply_override(cfg: DictConfig, override: str) -> DictConfig:
     parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]
     if key == "task.name":
         return _merge(cfg, OmegaConf.create({"task": {"name": parsed}}))
-    if key.split(".")[0] in ("experts", "task") and "." in key:
+    parts = key.split(".")
+    if parts[0] == "experts" and len(parts) > 1 and parts[1].lstrip("-").isdigit() and not (
+            0 <= int(parts[1]) < len(cfg.experts)):
+        raise ConfigError(f"command line: {key}: there is no expert {parts[1]} (experts has {len(cfg.experts)} "
+                          f"entries, indices 0 to {len(cfg.experts) - 1})")
+    if parts[0] in ("experts", "task") and "." in key:
         # Lists and the free-form task node take dotted paths through `update`; a list-valued `merge` could not.
         cfg = cfg.copy()
         OmegaConf.update(cfg, key, parsed, merge=True)
@@ -239,10 +264,17 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
             loaded = OmegaConf.load(p)
         except Exception as e:  # yaml errors, permissions
             raise ConfigError(f"cannot read config file {path}: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path}: a config file must be a mapping of keys (key: value), got a "
+                              f"{'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
         try:
             cfg = _merge(cfg, loaded)
         except OmegaConfBaseException as e:
+            if not getattr(e, "full_key", None):  # a whole section replaced by a value of another kind
+                raise ConfigError(f"{path}: {_kind_mismatch(cfg, loaded)}") from None
             raise _explain(e, schema, path) from None
+        except TypeError:  # a list where the config has a mapping, or the reverse
+            raise ConfigError(f"{path}: {_kind_mismatch(cfg, loaded)}") from None
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -251,33 +283,155 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
             try:
                 cfg = _apply_override(cfg, override)
             except OmegaConfBaseException as e:
+                if not getattr(e, "full_key", None):
+                    raise ConfigError(f"command line: {_kind_mismatch(cfg, OmegaConf.from_dotlist([override]))}") from None
                 raise _explain(e, schema, "command line") from None
+            except TypeError:
+                raise ConfigError(f"command line: {_kind_mismatch(cfg, OmegaConf.from_dotlist([override]))}") from None
     validate(cfg)
     resolve_defaults(cfg)
     cfg.task = resolve_task_config(cfg)
     return cfg
 
 
+# Expert and experiment names become folder and adapter names: the export's rule (`compose.export._NAME_RE`).
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME_RULE = "[A-Za-z0-9][A-Za-z0-9_.-]* (ASCII letters, digits, _ . -; not starting with _ . -)"
+BASELINES = ("task_arithmetic", "ties", "dare")
+ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "tpu", "auto")
+MAX_SEED = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# key -> (check, what the key allows): ranges the schema's types cannot express.
+RANGES: dict[str, tuple[Any, str]] = {
+    "seed": (lambda v: _int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
+    "data.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "data.num_workers": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "model.hidden_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "model.num_layers": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "model.num_heads": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "model.intermediate_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "model.max_position_embeddings": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "expert.max_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "expert.reg_weight": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "expert.temperature": (lambda v: _number(v) and v > 0, "a finite number > 0"),
+    "expert.jsd_beta": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "background.corruption_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "expert.corruption_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "composition.active_threshold": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "composition.eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "composition.val_limit": (lambda v: v is None or (_int(v) and v >= 1), "null (all) or an integer >= 1"),
+    "trainer.val_check_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1 (training steps)"),
+    "trainer.log_every_n_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "trainer.num_sanity_val_steps": (lambda v: _int(v) and v >= -1, "an integer >= -1 (-1: all)"),
+    "trainer.limit_val_batches": (lambda v: (_int(v) and v >= 0) or (_number(v) and 0 <= v <= 1),
+                                  "a fraction in [0.0, 1.0] or a whole number of batches >= 0"),
+    "trainer.devices": (lambda v: _devices_ok(v), "an integer >= 1, -1 (all), 'auto', or a list of device "
+                        "indices >= 0"),
+}
+for _stage in ("background", "expert"):
+    RANGES[f"{_stage}.optim.lr"] = (lambda v: _number(v) and v > 0, "a finite number > 0")
+    RANGES[f"{_stage}.optim.weight_decay"] = (lambda v: _number(v) and v >= 0, "a finite number >= 0")
+    RANGES[f"{_stage}.optim.warmup_ratio"] = (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]")
+
+
+def _devices_ok(value: Any) -> bool:
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return True
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if len(parts) == 1 and re.fullmatch(r"-?\d+", parts[0]):
+            return _devices_ok(int(parts[0]))
+        return bool(parts) and all(p.isdigit() for p in parts)
+    if isinstance(value, ListConfig | list | tuple):
+        return len(value) > 0 and all(_int(v) and v >= 0 for v in value) and len(set(value)) == len(value)
+    return _int(value) and (value >= 1 or value == -1)
+
+
+def precisions() -> tuple[str, ...]:
+    """Lightning's accepted `precision` strings (its own list, so the check follows the installed version)."""
+    import typing
+
+    from lightning.fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+    return typing.get_args(_PRECISION_INPUT_STR) + typing.get_args(_PRECISION_INPUT_STR_ALIAS)
+
+
+def strategies() -> tuple[str, ...]:
+    """Lightning's registered strategy names, and `auto`."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return ("auto", *StrategyRegistry.available_strategies())
+
+
+def _bad(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r}: must be {allowed}")
+
+
 def validate(cfg: DictConfig) -> None:
-    """Checks the schema cannot express: choices, names, ranges."""
+    """Checks the schema cannot express: choices, names, ranges and how keys go together. Every failure is a
+    one-line `ConfigError` naming the key and what it allows. (The task's own keys are checked by its settings
+    class, `resolve_task_config`; files, exports and the machine by `stages.plan_run`.)"""
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join('null' if a is None else a for a in allowed)}")
+    for key, choices in (("trainer.precision", precisions()), ("trainer.accelerator", ACCELERATORS),
+                         ("trainer.strategy", strategies())):
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    for key, (ok, allowed) in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            raise _bad(key, value, allowed)
+    if not NAME_RE.match(str(cfg.experiment)):
+        raise _bad("experiment", cfg.experiment, f"a name matching {NAME_RULE} (it names the run's folder)")
     names = [e.name for e in cfg.experts]
     for i, name in enumerate(names):
-        if name in ("???", "") or not str(name).replace("_", "").replace("-", "").isalnum():
-            raise ConfigError(f"experts[{i}].name={name!r}: give each expert a name of letters, digits, _ or -")
+        if name == "???" or not isinstance(name, str) or not NAME_RE.match(name):
+            raise ConfigError(f"experts[{i}].name={name!r}: give each expert a name matching {NAME_RULE}")
+        weight = cfg.experts[i].weight
+        if not _number(weight):
+            raise _bad(f"experts[{i}].weight", weight, "a finite number (its composition weight)")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"experts: duplicate expert name(s) {', '.join(dupes)}")
-    for key in ("background.corruption_prob", "expert.corruption_prob"):
-        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
-            raise ConfigError(f"{key} must be in [0, 1], got {OmegaConf.select(cfg, key)}")
-    if cfg.expert.reg_weight < 0:
-        raise ConfigError(f"expert.reg_weight must be >= 0, got {cfg.expert.reg_weight}")
+    b = cfg.background
+    if not (_int(b.max_steps) and b.max_steps >= 1):
+        raise _bad("background.max_steps", b.max_steps, "an integer >= 1 (to train no background, set "
+                   "background.path to an existing one)")
+    if not cfg.model.pretrained_path and not b.path and cfg.model.hidden_size % cfg.model.num_heads:
+        raise ConfigError(f"model.hidden_size={cfg.model.hidden_size} must be a multiple of "
+                          f"model.num_heads={cfg.model.num_heads}")
+    unknown = [m for m in cfg.baselines if m not in BASELINES]
+    if unknown:
+        raise ConfigError(f"baselines: unknown method(s) {', '.join(map(str, unknown))}; known: {', '.join(BASELINES)}")
+    bad_k = [k for k in cfg.ablation_ks if not (_int(k) and k >= 1)]
+    if bad_k:
+        raise _bad("ablation_ks", list(cfg.ablation_ks), "a list of integers >= 1 (experts per ablation sub-run)")
+    if cfg.composition.compose_with and cfg.ablations:
+        raise ConfigError(f"ablations={list(cfg.ablations)} cannot run with composition.compose_with (the sub-runs "
+                          "would train experts the earlier exports already hold): set ablations=[]")
+    if cfg.composition.compose_with and cfg.expert.mode != "lora":
+        raise ConfigError(f"composition.compose_with needs expert.mode=lora (its experts are LoRA adapters), "
+                          f"got expert.mode={cfg.expert.mode}")
+    if cfg.expert.mode == "head" and not is_pretrained(cfg) and cfg.model.arch == "gpt2":
+        raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
+                          "(use model.arch=llama or another expert.mode)")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path}")
+        raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path} (give a .ckpt file or 'last')")
     targets = cfg.expert.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):

@@ -8,7 +8,10 @@ TensorBoard when installed), `export/` (for composition) and `summary.json`.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -17,19 +20,26 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
 from compose.common import atomic_save, atomic_write_text
-from compose.export import load_manifest
+from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
 from data.datamodule import TaskDataModule
 from data.tasks import Expert, Task, TaskError, task_class
 from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
 from lightning_modules.expert import ExpertLM
+from lightning_modules.pipeline import console
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
-from lightning_modules.pipeline.config import ConfigError, expert_spec, lora_target_modules, task_settings
+from lightning_modules.pipeline.config import (
+    ConfigError,
+    expert_spec,
+    is_pretrained,
+    lora_target_modules,
+    task_settings,
+)
 from lightning_modules.pipeline.models import (
     build_causal_lm,
     count_parameters,
@@ -72,6 +82,7 @@ def output_dir(cfg: DictConfig) -> Path:
     resuming = cfg.ckpt_path == "last"
     if cfg.output_dir:
         out = Path(cfg.output_dir)
+        _check_writable(out)
         if out.exists() and any(out.iterdir()) and not resuming:
             raise ConfigError(f"output_dir {out} exists and is not empty: pass ckpt_path=last to resume it, "
                               "or choose another output_dir")
@@ -79,21 +90,87 @@ def output_dir(cfg: DictConfig) -> Path:
         if resuming:
             raise ConfigError("ckpt_path=last needs output_dir= naming the run to resume")
         out = Path("runs") / cfg.experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
+        _check_writable(out, "runs/<experiment>/<timestamp> (no output_dir given)")
     if resuming and not out.exists():
         raise ConfigError(f"ckpt_path=last: output_dir {out} does not exist")
     return out
 
 
+def _check_writable(out: Path, key: str = "output_dir") -> None:
+    """`out` must be a folder, or creatable in the nearest existing folder above it, by this process."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}={out}: is a file; output_dir must be a folder (new, empty, or a run to resume)")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={out}: {existing} is a file, so the folder cannot be created there")
+    effective = os.access in os.supports_effective_ids  # the ids the kernel checks a write against
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        raise ConfigError(f"{key}={out}: {existing} is not writable by this user; choose a writable output_dir")
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """The accelerator must be on this machine, and Lightning must accept accelerator, devices, strategy and
+    precision together: a Trainer is built from them (it writes nothing) and its refusal becomes one line."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.accelerators import MPSAccelerator, XLAAccelerator
+
+    t = cfg.trainer
+    available = {"gpu": torch.cuda.is_available, "cuda": torch.cuda.is_available,
+                 "mps": MPSAccelerator.is_available, "tpu": XLAAccelerator.is_available}
+    if t.accelerator in available and not available[t.accelerator]():
+        raise ConfigError(f"trainer.accelerator={t.accelerator}: no such device on this machine; use "
+                          "trainer.accelerator=cpu (configs/trainer/cpu.yaml) or auto")
+    devices = OmegaConf.to_container(t.devices) if isinstance(t.devices, DictConfig | ListConfig) else t.devices
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    try:
+        with warnings.catch_warnings():  # the stages' Trainers say what this one would
+            warnings.simplefilter("ignore")
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+            pl.Trainer(accelerator=t.accelerator, devices=devices, strategy=t.strategy, precision=t.precision,
+                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False)
+    except (MisconfigurationException, ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError(f"trainer: accelerator={t.accelerator}, devices={devices}, strategy={t.strategy}, "
+                          f"precision={t.precision} do not go together: {str(e).strip().splitlines()[0]}") from None
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _verify_export_holding(folder: Path, key: str) -> None:
+    """A model folder that is an export's own `background/` is verified with its export (checksums, no
+    missing, extra or pickle files), as `ComposedLM.from_manifest` would."""
+    root = folder.parent
+    if not (root / MANIFEST_NAME).is_file():
+        return
+    try:
+        manifest = load_manifest(root)
+        entry = manifest["background"]
+        if "path" in entry and (root / entry["path"]).resolve() == folder.resolve():
+            verify_export(root, manifest)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def plan_run(cfg: DictConfig) -> Plan:
     """Validate everything the config names (task, experts, files, exports, tokenizers) without writing."""
     out = output_dir(cfg)
+    check_trainer(cfg)
+    for key in ("background.path", "model.pretrained_path"):
+        if OmegaConf.select(cfg, key):
+            _verify_export_holding(pretrained_folder(OmegaConf.select(cfg, key), key), key)
     experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
     frozen_adapters, exports = {}, []
     for export in cfg.composition.compose_with:
-        try:
+        try:  # the checks of `ComposedLM.from_manifest`: checksums, no missing, extra or pickle file
             manifest = load_manifest(export)
+            verify_export(export, manifest)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"composition.compose_with: {export}: {e}") from None
+            raise ConfigError(f"composition.compose_with: {e}") from None
         _check_same_background(manifest, export, cfg.background.path)
         for entry in manifest["experts"]:
             if entry.get("kind", "lora") != "lora":
@@ -111,10 +188,18 @@ def plan_run(cfg: DictConfig) -> Plan:
     for export, manifest in exports:
         _check_same_vocab(manifest, task.tokenizer, export)
     check_ablations(cfg, task)
+    longest, positions = task.max_row_length, cfg.model.max_position_embeddings
+    if not is_pretrained(cfg) and longest is not None and longest > positions:
+        raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
+                          f"({longest} tokens, from task.max_len): raise it to >= {longest} or lower task.max_len")
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
-            load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
+            model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
             _check_saved_tokenizer(pretrained_folder(OmegaConf.select(cfg, key), key), task.tokenizer, key)
+            tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            if cfg.expert.mode == "head" and tied:
+                raise ConfigError(f"expert.mode=head needs untied input/output embeddings; the model of {key} "
+                                  "ties them (use expert.mode=lora or full)")
     return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
                 weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
 
@@ -203,13 +288,17 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
         loggers.append(TensorBoardLogger(out / "logs", name=stage, version="tb"))
     except ImportError:
         pass
+    # The progress bar counts the stage's steps (console.StepProgressBar); a default value is left to Lightning
+    # (passing `limit_val_batches=1.0` explicitly makes it print that it will use 100% of the batches).
+    bar = [console.StepProgressBar(stage)] if t.enable_progress_bar else []
     return pl.Trainer(
         max_steps=max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
         precision=t.precision, val_check_interval=min(t.val_check_interval, max_steps),
         check_val_every_n_epoch=None, log_every_n_steps=t.log_every_n_steps,
-        limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
+        limit_val_batches=None if t.limit_val_batches == 1.0 else t.limit_val_batches,
+        num_sanity_val_steps=t.num_sanity_val_steps,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False,
-        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *callbacks],
+        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *bar, *callbacks],
         logger=loggers, default_root_dir=out,
     )
 
@@ -222,13 +311,15 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
     elif cfg.ckpt_path:
         ckpt = cfg.ckpt_path
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     except RuntimeError as e:
         if ckpt and ("size mismatch" in str(e) or "Missing key" in str(e) or "Unexpected key" in str(e)):
             raise ConfigError(f"checkpoint {ckpt} does not match the config ({str(e).splitlines()[0][:200]})") from None
         raise
     # ModelCheckpoint saves every N steps; make `last.ckpt` the state at the end of the stage as well.
-    trainer.save_checkpoint(out / "checkpoints" / stage / "last.ckpt")
+    # weights_only=False: the full state (optimizer, loops) that a resume needs; said explicitly, so Lightning
+    # does not announce its default. Loading stays weights_only=True (only tensors and plain containers).
+    trainer.save_checkpoint(out / "checkpoints" / stage / "last.ckpt", weights_only=False)
 
 
 def background_stage(cfg: DictConfig, plan: Plan) -> Path:
@@ -294,6 +385,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
 def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None) -> dict:
     """Final evaluation on the test split: background, each expert alone, and the composition."""
     task, tok, bs = plan.task, plan.tokenizer, cfg.composition.eval_batch_size
+    console.stage("composition", "decoding the test split: background")
     background = load_pretrained(background_path, tok).eval()
     summary: dict = {"background": task.evaluate_background(ComposedLM(background, tokenizer=tok), "test", bs)}
     if module is None:
@@ -301,11 +393,13 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     module.eval()
     summary["experts"] = {}
     for name in plan.trained:
+        console.stage("composition", f"decoding the test split: expert {name} alone")
         alone = task.evaluate_expert(module.composed_model(tok, names=[name]), name, "test", bs)
         # `skill_accuracy` of an expert is its accuracy inside the composition (below); alone it is this:
         summary["experts"][name] = {("skill_accuracy_alone" if k == "skill_accuracy" else k): v for k, v in alone.items()}
     test_set = task.compositional_dataset("test")
     composed = module.composed_model(tok)
+    console.stage("composition", f"decoding {len(test_set)} compositional test rows: {', '.join(plan.in_play)}")
     results = task.composition_metrics(composed, test_set, bs, cfg.composition.active_threshold)
     for name in plan.in_play:
         entry = summary["experts"].setdefault(name, {"trained_in": "compose_with"})
@@ -322,6 +416,7 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     if any("interval" in plan.specs[n] for n in plan.in_play):
         # Gated: each expert's factor only where its stopping-time detector says its interval is open.
         composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
+        console.stage("composition", "decoding the compositional test rows again, gated")
         summary["composition"]["gated"] = task.evaluate_composition(composed, test_set, bs)
         composed.composition = "soft"
     if task.notes:
@@ -346,14 +441,16 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
     composed_lp = composed.score(batch["input_ids"], batch["attention_mask"])
     results = {}
     for method in cfg.baselines:
+        if module.hparams.mode != "lora" and method != "task_arithmetic":
+            console.stage("baselines", f"{method}: skipped (TIES and DARE merge LoRA adapters only)")
+            continue
+        console.stage("baselines", f"{method}: merging {', '.join(names)} and decoding {len(test_set)} test rows")
         if module.hparams.mode == "lora":
             merged_name = merge_adapters(module.peft_model, names, method, weights=composed.weights, seed=cfg.seed)
             merged = ComposedLM.from_peft(module.peft_model, [merged_name], tokenizer=tok)
-        elif method == "task_arithmetic":
+        else:  # task arithmetic of full copies
             merged = ComposedLM(task_arithmetic(module.background, [module.experts[n] for n in names],
                                                 composed.weights), tokenizer=tok)
-        else:
-            continue  # TIES and DARE are implemented for LoRA adapters (peft) only
         merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
         results[method] = {
             "exact_match": task.evaluate_composition(merged, test_set, bs)["exact_match"],
@@ -382,6 +479,7 @@ def write_divergence_map(composed: ComposedLM, rows, collate, path: Path) -> Non
 def run(cfg: DictConfig, command: str | None = None) -> dict:
     """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`)."""
     t0 = time.time()
+    console.quiet()
     plan = plan_run(cfg)
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -21,7 +21,7 @@ from compose.metrics import ExactMatch, FailureTypes, SkillAccuracy
 from data.collate import Collator
 from data.generation import greedy_decode
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split_sizes
 from data.tasks.letters.rules import (
     RuleSet,
     aligned_batch,
@@ -71,14 +71,17 @@ class LettersConfig:
             raise TaskError(f"task: need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
         if self.format not in ("generative", "aligned"):
             raise TaskError(f"task.format={self.format!r} is not one of generative, aligned")
-        for key in ("n_train", "n_val", "n_test"):
-            if getattr(self, key) < 1:
-                raise TaskError(f"task.{key} must be >= 1, got {getattr(self, key)}")
+        check_split_sizes(self, self.max_row_length)
         if not 0.0 <= self.source_prob <= 1.0:
             raise TaskError(f"task.source_prob must be in [0, 1], got {self.source_prob}")
         m = self.compositional_min_experts
         if m is not None and m < 2:
             raise TaskError(f"task.compositional_min_experts must be None or >= 2, got {m}")
+
+    @property
+    def max_row_length(self) -> int:
+        """Tokens in the longest row: `<bos> x <sep> y <eos>` (generative) or `<bos> x` (aligned)."""
+        return 2 * self.max_len + 3 if self.format == "generative" else self.max_len + 1
 
 
 class LettersTask(Task):
