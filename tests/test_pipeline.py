@@ -25,9 +25,31 @@ def train(*args, cwd=ROOT, timeout=300):
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fast") / "run"
-    proc = train(FAST, f"output_dir={out}")
+    proc = train(FAST, f"output_dir={out}", "trainer.enable_progress_bar=true")  # the console a default run shows
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+# What libraries print on every stage although nothing is wrong (lightning_modules/pipeline/console.py).
+CONSOLE_NOISE = ("GPU available", "TPU available", "💡 Tip", "litlogger", "was configured so", "weights_only",
+                 "FutureWarning", "is_gradient_checkpointing", "LeafSpec", "in eval mode", "does not have many workers",
+                 "Loading weights", "Writing model shards", "Epoch ", "/-2", "`Trainer.fit` stopped")
+
+
+def test_fast_run_console_is_stage_lines_progress_bars_summary_and_report(fast_run):
+    out, proc = fast_run
+    printed = proc.stdout + proc.stderr
+    for noise in CONSOLE_NOISE:
+        assert noise not in printed, noise
+    lines = [line.strip() for line in printed.replace("\r", "\n").splitlines() if line.strip()]
+    stages = [line.split("]", 1)[0] + "]" for line in lines if line.startswith("[")]
+    for stage in ("[background]", "[experts]", "[composition]", "[baselines]", "[ablations]"):
+        assert stage in stages, stage
+    # one bar per training stage, counting its optimizer steps (fast.yaml: 10 background, 6 expert steps)
+    assert any(line.startswith("background: 100%") and "10/10" in line for line in lines)
+    assert any(line.startswith("experts: 100%") and "6/6" in line for line in lines)
+    assert "| component | exact match |" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"report: {out / 'report.md'}")
 
 
 def test_fast_run_writes_everything(fast_run):

@@ -98,11 +98,14 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def _check_writable(out: Path, key: str = "output_dir") -> None:
     """`out` must be a folder, or creatable in the nearest existing folder above it, by this process."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{key}={out}: is a file; output_dir must be a folder (new, empty, or a run to resume)")
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{key}={out}: is a file; output_dir must be a folder (new, empty, or a run to resume)")
+        existing = out
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except PermissionError as e:
+        raise ConfigError(f"{key}={out}: cannot be reached by this user ({e.strerror}: {e.filename})") from None
     if not existing.is_dir():
         raise ConfigError(f"{key}={out}: {existing} is a file, so the folder cannot be created there")
     effective = os.access in os.supports_effective_ids  # the ids the kernel checks a write against
