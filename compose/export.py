@@ -21,6 +21,12 @@ Manifest (YAML)::
 A relative ``ref`` is resolved against the export folder. Exports are written atomically (built in a
 hidden sibling folder, then renamed into place); loading verifies every checksum before reading any
 weights, reads only safetensors, and never runs remote code.
+
+Every path of the manifest must stay inside the export folder (no absolute path, no ``..``), except
+``background.ref``: pointing at a background stored elsewhere (a shared pretrained model, the training run's
+own folder) is what a reference is for, so it may be absolute or leave the folder. It is not trusted for
+that: every safetensors file in the referenced folder must match the manifest's ``checksums`` and no
+unlisted one may be there (`verify_export`), and only safetensors are read from it.
 """
 
 from __future__ import annotations
