@@ -298,7 +298,8 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
         max_steps=max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
         precision=t.precision, val_check_interval=min(t.val_check_interval, max_steps),
         check_val_every_n_epoch=None, log_every_n_steps=t.log_every_n_steps,
-        limit_val_batches=None if t.limit_val_batches == 1.0 else t.limit_val_batches,
+        limit_val_batches=None if t.limit_val_batches == 1.0 and isinstance(t.limit_val_batches, float)
+        else t.limit_val_batches,  # (an int 1 is one batch)
         num_sanity_val_steps=t.num_sanity_val_steps,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False,
         callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *bar, *callbacks],
