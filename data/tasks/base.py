@@ -36,6 +36,19 @@ EVAL_SPLITS = ("val", "test")
 REG_DATA_CHOICES = ("own", "background", "composition", "own+background")
 
 
+# Column types of task rows (the contract above); expert rows add EXPERT_FEATURES.
+ROW_FEATURES = {
+    "x": datasets.Value("string"),
+    "y": datasets.Value("string"),
+    "input_ids": datasets.List(datasets.Value("int64")),
+    "targets": datasets.List(datasets.Value("int64")),
+    "masks": datasets.List(datasets.List(datasets.Value("int8"))),
+    "output_start": datasets.Value("int64"),
+    "output_len": datasets.Value("int64"),
+}
+EXPERT_FEATURES = {key: datasets.Value("int64") for key in ("expert_index", "is_task", "task_on_mask")}
+
+
 class TaskError(ValueError):
     """Bad task input (a data file, a row, an interval spec, a tokenizer): one line naming it."""
 

@@ -35,7 +35,7 @@ from data.collate import Collator
 from data.generation import greedy_decode
 from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split_sizes
+from data.tasks.base import EVAL_SPLITS, ROW_FEATURES, SPLITS, Expert, Task, TaskError, check_split_sizes
 from data.tokenizer import build_char_tokenizer, validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -195,15 +195,6 @@ def sample_text(rng: random.Random, cfg: IntervalsConfig, kinds: Sequence[_Kind]
 
 # --- rows -----------------------------------------------------------------------------------------------
 
-_FEATURES = {
-    "x": datasets.Value("string"),
-    "y": datasets.Value("string"),
-    "input_ids": datasets.List(datasets.Value("int64")),
-    "targets": datasets.List(datasets.Value("int64")),
-    "masks": datasets.List(datasets.List(datasets.Value("int8"))),
-    "output_start": datasets.Value("int64"),
-    "output_len": datasets.Value("int64"),
-}
 
 
 def _layout(x: str, y: str, vocab: Mapping[str, int], specials: tuple[int, int, int],
@@ -225,9 +216,9 @@ def _layout(x: str, y: str, vocab: Mapping[str, int], specials: tuple[int, int, 
 
 
 def _dataset(rows: list[dict[str, Any]], extra: Mapping[str, int]) -> datasets.Dataset:
-    columns = {key: [r[key] for r in rows] for key in _FEATURES}
+    columns = {key: [r[key] for r in rows] for key in ROW_FEATURES}
     columns.update({key: [int(v)] * len(rows) for key, v in extra.items()})
-    features = datasets.Features({**_FEATURES, **{key: datasets.Value("int64") for key in extra}})
+    features = datasets.Features({**ROW_FEATURES, **{key: datasets.Value("int64") for key in extra}})
     return datasets.Dataset.from_dict(columns, features=features)
 
 

@@ -21,6 +21,7 @@ it, e.g. through a chat template).
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -29,27 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from compose.metrics import ExactMatch
+from compose.operator import compose_logprobs
 from data.collate import Collator
 from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
 from data.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from data.splits import derive_seed
-from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError
+from data.tasks.base import EVAL_SPLITS, EXPERT_FEATURES, ROW_FEATURES, SPLITS, Expert, Task, TaskError
 
 IGNORE = -100
+TEACHER_FORCED_BATCH = 8  # rows per teacher-forced forward (k+1 components x [B, T, V] log-probs)
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-ROW_FEATURES = {
-    "input_ids": datasets.List(datasets.Value("int32")),
-    "targets": datasets.List(datasets.Value("int32")),
-    "masks": datasets.List(datasets.List(datasets.Value("int8"))),
-    "output_start": datasets.Value("int32"),
-    "output_len": datasets.Value("int32"),
-    "x": datasets.Value("string"),
-    "y": datasets.Value("string"),
-}
-EXPERT_FEATURES = {key: datasets.Value("int32") for key in ("expert_index", "is_task", "task_on_mask")}
 
 
 @dataclass
@@ -78,6 +72,10 @@ class TextConfig:
             counts as wrong.
         limit: at most this many rows per split of each source (each expert, general, compositional).
         trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
+        cross_eval: also decode the background and each expert alone on the compositional rows of the split
+            (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
+            and the background on every expert's held-out rows (`<expert>/skill_accuracy`): every model's
+            accuracy on every skill, next to the composition's. Costs that many more greedy decodings.
     """
 
     tokenizer: str | None = None
@@ -92,6 +90,7 @@ class TextConfig:
     max_new_tokens: int = 256
     limit: int | None = None
     trust_remote_code: bool = False
+    cross_eval: bool = False
 
     def __post_init__(self) -> None:
         if self.holdout <= 0 or (self.holdout >= 1 and self.holdout != int(self.holdout)):
@@ -550,14 +549,26 @@ class TextTask(Task):
         return self.greedy_outputs(model, prompts, batch_size)
 
     def evaluate_background(self, model, split: str, batch_size: int) -> dict[str, float]:
-        """Exact match (whitespace-normalized, ended with EOS) on the held-out general rows."""
+        """Exact match (whitespace-normalized, ended with EOS) on the held-out general rows, and their
+        `general_perplexity` when `model` scores (a `ComposedLM`). With `task.cross_eval`: each expert's skill
+        accuracy on its held-out rows (`<expert>/skill_accuracy`) and the `compositional/*` metrics."""
         _check_split(split, EVAL_SPLITS)
         rows = self.general[split]
         preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
-        return {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended)}
+        results = {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended)}
+        if self.cfg.cross_eval:
+            for name, spec in zip(self.expert_names, self.specs, strict=True):
+                if name in self.own:
+                    own = self.own[name][split]
+                    preds, _ = self.greedy_outputs(model, [enc.prompt_ids for enc in own], batch_size)
+                    correct, total = skill_counts(preds, [enc.example.response for enc in own], spec)
+                    if total:
+                        results[f"{name}/skill_accuracy"] = correct / total
+        return results | self._model_extras(model, split, batch_size)
 
     def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
-        """Exact match and `skill_accuracy` (its intervals right, by order) on the expert's held-out rows."""
+        """Exact match and `skill_accuracy` (its intervals right, by order) on the expert's held-out rows, and
+        `general_perplexity` when `model` scores; with `task.cross_eval` the `compositional/*` metrics too."""
         _check_split(split, EVAL_SPLITS)
         if name not in self.own:
             raise TaskError(f"expert {name!r} has no data files here: nothing to evaluate it on")
@@ -568,11 +579,29 @@ class TextTask(Task):
         correct, total = skill_counts(preds, refs, self.specs[self.expert_names.index(name)])
         if total:
             results["skill_accuracy"] = correct / total
+        return results | self._model_extras(model, split, batch_size)
+
+    def _model_extras(self, model, split: str, batch_size: int) -> dict[str, float]:
+        """`general_perplexity` (when `model` scores) and, with `task.cross_eval`, `compositional/<key>` for every
+        key of `evaluate_composition` on the compositional rows of `split` (but its general perplexity)."""
+        results = {}
+        if _scores(model):
+            results["general_perplexity"] = self.general_perplexity(model, split, batch_size)
+        if self.cfg.cross_eval:
+            comp = self._evaluate_composition(model, self.compositional_dataset(split), batch_size, split=None)
+            results |= {f"compositional/{key}": value for key, value in comp.items()}
         return results
 
     def evaluate_composition(self, model, dataset: datasets.Dataset, batch_size: int) -> dict[str, float]:
         """Exact match, `<expert>/skill_accuracy` per expert with an interval in the references (the i-th
-        interval of the reference against the i-th of the prediction), and `failures/no_eos`."""
+        interval of the reference against the i-th of the prediction), and `failures/no_eos`. When `model`
+        scores (a `ComposedLM`, soft or gated), also `off_interval_kl` on `dataset` and `general_perplexity` on
+        the held-out general rows of the split `dataset` comes from (see `off_interval_kl`,
+        `general_perplexity`)."""
+        return self._evaluate_composition(model, dataset, batch_size, split=self._split_of(dataset))
+
+    def _evaluate_composition(self, model, dataset: datasets.Dataset, batch_size: int,
+                              split: str | None) -> dict[str, float]:
         refs = list(dataset["y"])
         preds, ended = self._decode_rows(model, dataset["input_ids"], dataset["output_start"], batch_size)
         results = {"exact_match": exact_match(preds, refs, ended)}
@@ -581,10 +610,80 @@ class TextTask(Task):
             if total:
                 results[f"{name}/skill_accuracy"] = correct / total
         results["failures/no_eos"] = 1.0 - sum(ended) / len(ended) if ended else 0.0
+        if _scores(model):
+            results["off_interval_kl"] = self.off_interval_kl(model, dataset, batch_size)
+            if split is not None:
+                results["general_perplexity"] = self.general_perplexity(model, split, batch_size)
         return results
+
+    # --- teacher-forced scores of any model on the task's rows -------------------------------------
+    def general_perplexity(self, model, split: str, batch_size: int) -> float:
+        """exp(mean NLL per token) of `model`'s (composed, gated when `model.composition == "gated"`)
+        teacher-forced distribution on the responses + EOS of the held-out general rows of `split`: how much a
+        model that should leave general text alone costs it (compare with the background's)."""
+        _check_split(split, EVAL_SPLITS)
+        key = ("general_scored", split)
+        if key not in self._datasets:
+            self._datasets[key] = rows_to_dataset([make_row(enc, self.specs, self.eos) for enc in self.general[split]])
+        nll, n, _, _ = self._teacher_forced(model, self._datasets[key], batch_size)
+        return math.exp(nll / n) if n else float("nan")
+
+    def off_interval_kl(self, model, dataset: datasets.Dataset, batch_size: int) -> float:
+        """Mean KL(p_b ‖ p_model) over the target positions of `dataset` (rows with one mask per expert in play)
+        that lie in no expert's interval: how far `model` moves the text the background owns (0 for the
+        background, and for a gated composition by construction)."""
+        _, _, kl, n = self._teacher_forced(model, dataset, batch_size)
+        return kl / n if n else 0.0
+
+    @torch.no_grad()
+    def _teacher_forced(self, model, dataset: datasets.Dataset, batch_size: int) -> tuple[float, int, float, int]:
+        """`(sum NLL, scored tokens, sum off-interval KL(p_b ‖ p_model), off-interval tokens)` of `model`
+        teacher-forced on `dataset`. A gated model gates each expert with an interval spec by the rows' masks
+        (the teacher-forced stopping times, as `token_interval_mask` computes them); the others act everywhere."""
+        collate = self.collator()
+        gated = getattr(model, "composition", "soft") == "gated"
+        columns = [self.expert_names.index(n) if n in self.expert_names else None for n in model.names]
+        specs = getattr(model, "specs", None) or [{} for _ in model.names]
+        nll = kl = 0.0
+        n = n_off = 0
+        rows = [dataset[i] for i in range(len(dataset))]
+        for start in range(0, len(rows), max(1, min(batch_size, TEACHER_FORCED_BATCH))):
+            batch = collate(rows[start:start + max(1, min(batch_size, TEACHER_FORCED_BATCH))])
+            lp_b, lp_e = model.component_logprobs(batch["input_ids"], batch["attention_mask"])
+            targets, masks = batch["targets"].to(lp_b.device), batch["masks"].to(lp_b.device)  # masks [B, k, T]
+            gates = None
+            if gated and lp_e.shape[0]:
+                always = torch.ones_like(targets, dtype=torch.bool)
+                gates = torch.stack([masks[:, j] if j is not None and "interval" in spec else always
+                                     for j, spec in zip(columns, specs, strict=True)])
+            lp = compose_logprobs(lp_b, lp_e, model.weights, gates, model.min_logprob)
+            valid = targets != IGNORE
+            token_lp = lp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            nll -= float(token_lp[valid].sum())
+            n += int(valid.sum())
+            off = valid & ~masks.any(1)
+            if off.any():
+                lp_b_off = lp_b[off].float()
+                kl += float((lp_b_off.exp() * (lp_b_off - lp[off])).sum())
+                n_off += int(off.sum())
+        return nll, n, kl, n_off
+
+    def _split_of(self, dataset: datasets.Dataset) -> str | None:
+        """The split (`val`/`test`) whose compositional rows `dataset` holds (most of its inputs), else None."""
+        xs = list(dataset["x"])
+        for split in EVAL_SPLITS:
+            known = {enc.example.prompt for enc in self.compositional[split]}
+            if xs and sum(x in known for x in xs) * 2 > len(xs):
+                return split
+        return None
 
 
 # --- small helpers ---------------------------------------------------------------------------------
+def _scores(model) -> bool:
+    """Whether `model` scores teacher-forced (a `ComposedLM`); a decoding-only stand-in does not."""
+    return callable(getattr(model, "component_logprobs", None))
+
+
 def _parse_spec(i: int, expert: Expert) -> IntervalSpec:
     if "interval" not in expert.spec:
         raise TaskError(f"experts[{i}] ({expert.name}): the text task needs `interval` (start/end delimiters), "

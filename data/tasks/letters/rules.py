@@ -31,6 +31,7 @@ from torch import LongTensor
 from transformers import PreTrainedTokenizerBase
 
 from data.generation import decode_until_eos, left_padded
+from data.tasks.base import ROW_FEATURES
 from data.tokenizer import validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -316,13 +317,7 @@ def _encode_dataset(xs: list[str], merged: Mapping[str, str], extra: dict[str, A
 
     features = datasets.Features(
         {
-            "x": datasets.Value("string"),
-            "y": datasets.Value("string"),
-            "input_ids": datasets.List(datasets.Value("int64")),
-            "targets": datasets.List(datasets.Value("int64")),
-            "masks": datasets.List(datasets.List(datasets.Value("int8"))),
-            "output_start": datasets.Value("int64"),
-            "output_len": datasets.Value("int64"),
+            **ROW_FEATURES,
             **{
                 key: datasets.Value("float32" if isinstance(v, float) else "int64")
                 for key, v in extra.items()
