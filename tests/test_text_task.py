@@ -415,7 +415,10 @@ def test_evaluation_on_a_tiny_composed_llama(tok):
                t.evaluate_composition(composed, t.compositional_dataset("val"), 3)]
     for result in results:
         assert "exact_match" in result
-        assert all(0.0 <= v <= 1.0 for v in result.values()), result
+        rates = {k: v for k, v in result.items() if k not in ("general_perplexity", "off_interval_kl")}
+        assert all(0.0 <= v <= 1.0 for v in rates.values()), result
+        assert result["general_perplexity"] >= 1.0  # a ComposedLM scores: the teacher-forced extras are there
+    assert results[0]["exact_match"] >= 0.0 and results[2]["off_interval_kl"] >= 0.0
     assert {"calc/skill_accuracy", "upper/skill_accuracy", "failures/no_eos"} <= set(results[2])
 
 
@@ -424,3 +427,66 @@ def test_config_rejects_bad_values():
                     ({"max_new_tokens": 0}, "max_new_tokens")):
         with pytest.raises(TaskError, match=f"task.{key}"):
             replace(TextConfig(), **kw)
+
+
+# --- teacher-forced extras: general perplexity, off-interval KL; cross evaluation -------------------
+def test_general_perplexity_is_the_background_nll_on_general_responses(tok):
+    t = make_task(tok, config(limit=6))
+    background = tiny_llama(len(tok), 0)
+    by_hand = []
+    for enc in t.general["test"]:
+        ids = torch.tensor([enc.prompt_ids + enc.response_ids + [tok.eos_token_id]])
+        lp = background(ids).logits.float().log_softmax(-1)[0]
+        p = len(enc.prompt_ids)
+        by_hand += [-lp[p - 1 + j, tok_id].item() for j, tok_id in enumerate(enc.response_ids + [tok.eos_token_id])]
+    expected = torch.tensor(by_hand).mean().exp().item()
+    assert t.general_perplexity(ComposedLM(background, tokenizer=tok), "test", 4) == pytest.approx(expected, rel=1e-4)
+
+
+def test_an_expert_equal_to_the_background_changes_nothing(tok):
+    t = make_task(tok, config(limit=6))
+    background = tiny_llama(len(tok), 0)
+    alone = ComposedLM(background, tokenizer=tok)
+    same = ComposedLM(background, [tiny_llama(len(tok), 0)], names=["calc"], tokenizer=tok)
+    assert t.general_perplexity(same, "val", 3) == pytest.approx(t.general_perplexity(alone, "val", 3), rel=1e-5)
+    rows = t.compositional_dataset("val")
+    assert t.off_interval_kl(alone, rows, 3) == pytest.approx(0.0, abs=1e-6)
+    assert t.off_interval_kl(same, rows, 3) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_gated_composition_leaves_the_off_interval_text_to_the_background(tok):
+    """Soft: random experts move every position. Gated (each expert only inside its interval): nothing moves
+    off the intervals, and general rows (no intervals here) score exactly as under the background."""
+    t = make_task(tok, config(limit=6))
+    background, calc, upper = (tiny_llama(len(tok), seed) for seed in range(3))
+    composed = ComposedLM(background, [calc, upper], names=["calc", "upper"], tokenizer=tok,
+                          specs=[{"interval": CALC}, {"interval": UPPER}])
+    rows = t.compositional_dataset("val")
+    soft = t.evaluate_composition(composed, rows, 3)
+    composed.composition = "gated"
+    gated = t.evaluate_composition(composed, rows, 3)
+    assert soft["off_interval_kl"] > 1e-3 and gated["off_interval_kl"] == pytest.approx(0.0, abs=1e-6)
+    bg_ppl = t.general_perplexity(ComposedLM(background, tokenizer=tok), "val", 3)
+    assert gated["general_perplexity"] == pytest.approx(bg_ppl, rel=1e-5)
+    assert soft["general_perplexity"] != pytest.approx(bg_ppl, rel=1e-3)
+    test_rows = t.compositional_dataset("test")
+    assert t.evaluate_composition(composed, test_rows, 3)["general_perplexity"] == pytest.approx(
+        t.general_perplexity(composed, "test", 3), rel=1e-6)  # the split follows the rows
+
+
+def test_cross_eval_scores_every_model_on_every_skill(tok):
+    t = make_task(tok, config(cross_eval=True))
+    oracle = Oracle(tok, t)  # decodes only: no teacher-forced extras
+    assert t.evaluate_background(oracle, "val", 3) == {
+        "exact_match": 1.0, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
+        "compositional/exact_match": 1.0, "compositional/calc/skill_accuracy": 1.0,
+        "compositional/upper/skill_accuracy": 1.0, "compositional/failures/no_eos": 0.0}
+    lower = Oracle(tok, t, edit=lambda y: re.sub(r"\[(\w+)\]", lambda m: f"[{m[1].lower()}]", y))
+    result = t.evaluate_expert(lower, "calc", "test", 3)
+    assert result["skill_accuracy"] == 1.0 and result["compositional/calc/skill_accuracy"] == 1.0
+    assert result["compositional/upper/skill_accuracy"] == 0.0 and result["compositional/exact_match"] == 0.0
+    background = tiny_llama(len(tok), 0)
+    small = make_task(tok, config(cross_eval=True, limit=3, max_new_tokens=4))
+    scored = small.evaluate_background(ComposedLM(background, tokenizer=tok), "val", 3)
+    assert scored["general_perplexity"] >= 1.0 and scored["compositional/off_interval_kl"] == pytest.approx(0, abs=1e-6)
+    assert "compositional/general_perplexity" not in scored
