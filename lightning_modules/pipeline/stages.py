@@ -457,7 +457,7 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
                                                 composed.weights), tokenizer=tok)
         merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
         results[method] = {
-            "exact_match": task.evaluate_composition(merged, test_set, bs)["exact_match"],
+            **task.evaluate_composition(merged, test_set, bs),  # exact match, per-skill accuracy, task extras
             "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
         }
         if module.hparams.mode == "lora":
