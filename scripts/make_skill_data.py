@@ -1,26 +1,31 @@
 """Generate the rows of `configs/experiment/smollm2_skills.yaml`: two skill experts on SmolLM2-135M-Instruct.
 
-    python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0 --n 240
+    python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0
 
-writes, byte for byte the same for the same arguments (every random draw comes from `random.Random` seeded
-with the seed and the file's name; no other state):
+writes (defaults `--n 240 --n_compositional 48 --op add`), byte for byte the same for the same arguments: every
+random draw comes from a `random.Random` seeded with the seed and the file's name, and nothing else:
 
-* `calc.jsonl`: the `calc` expert's rows. A one-line, GSM8K-like sentence with a calculator span whose
-  result the response fills in: `... so <<47+38=>> cups in all.` becomes `... so <<47+38=85>> cups in all.`
-  The expert owns the interval after `<<` (operands, `=`, the result and `>>`), and must do exact arithmetic
-  there (`--op`: `add` two-digit sums by default; `mul` gives three-digit by two-digit products).
-* `upper.jsonl`: the `upper` expert's rows: a sentence with a bracketed word list the response writes in
-  capitals: `... said [red kite] twice.` becomes `... said [RED KITE] twice.` (owns the interval after `[`).
-* `general.jsonl`: sentences with no span at all (the same kind of text, nothing to compute): the rows the
-  background is evaluated on, the experts' regularizer rows and the general-text perplexity check.
-* `compositional.jsonl`: sentences with both spans (in either order): one response needs both skills.
+* `calc.jsonl`: the `calc` expert's rows: a one-line, GSM8K-like sentence with a calculator span whose result
+  the answer fills in: `Tom sold <<47+8=>> cups.` becomes `Tom sold <<47+8=55>> cups.` The expert owns the
+  interval after `<<` (operands, `=`, the result, `>>`) and must do exact arithmetic there. `--op`: `add`
+  (two-digit + one-digit, the default), `add2` (two-digit + two-digit), `mul` (the times table to 12),
+  `mul32` (three-digit x two-digit). Prompted with four worked examples, SmolLM2 gets 25 % of `add`, 7.5 % of
+  `add2`, 35 % of `mul` and 0 % of three-digit sums right (40 rows each). In a pilot with longer sentences of
+  this kind, a rank-16 LoRA (task loss on the whole answer) trained on 240 rows reached 83 % on `add` and 88 %
+  on `mul` (24 held-out rows), and on 320 `add2` rows 50 % (16 rows); `add` is the default for that reason.
+* `upper.jsonl`: the `upper` expert's rows: a sentence with one or two bracketed words the answer writes in
+  capitals: `Then Ben said [good night].` becomes `Then Ben said [GOOD NIGHT].` (it owns the interval after
+  `[`: the words and `]`).
+* `general.jsonl`: sentences of the same kind with no span (nothing to compute): the background's evaluation
+  rows, the experts' regularizer rows and the general-text perplexity check.
+* `compositional.jsonl`: sentences with both spans, in either order: one answer needs both skills.
 
 Every row is a chat (`messages`, rendered with SmolLM2's chat template): a short system line, the user's
-sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn, the
-sentence with its spans filled in. The echo turn is what lets the frozen 135M model write everything outside
-the spans by itself (it repeats its own previous turn; asked zero-shot to "repeat" a line it mostly answers
-something else); it is the same in every file, so the background owns the text between the spans, and each
-expert only the inside of its own spans. No line occurs twice across the four files.
+sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn: the
+sentence with its spans filled in. The echo turn is what lets the frozen 135M model write the text outside the
+spans by itself: it repeats its own previous turn (spans left empty), where asked zero-shot to repeat a line it
+mostly answers something else. So the background owns the text between the spans, each expert the inside of
+its own spans. No sentence occurs twice across the four files.
 """
 
 from __future__ import annotations
