@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import re
+
 import pytest
 
 from lightning_modules.pipeline.config import ConfigError, expert_spec, load_config, task_settings
@@ -79,9 +81,15 @@ def test_task_keys_merge_within_a_task_and_a_task_name_switch_replaces_the_node(
     assert "skills" not in back.task and "min_segments" not in back.task
 
 
-def test_task_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"unknown config key 'task.n_trian'; did you mean task.n_train"):
+def test_task_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^command line: unknown config key 'task.n_trian'; did you mean task.n_train"):
         load_config(overrides=["task.n_trian=5"], base=DEFAULT)
+    # a task key from a file is named with that file, also when a later source kept the same task
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: {name: intervals, bogus_key: 1}\n")
+    for files in ([bad], [ROOT / "configs/experiment/intervals.yaml", bad], [bad, ROOT / "configs/experiment/intervals.yaml"]):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: unknown config key 'task.bogus_key'"):
+            load_config([str(f) for f in files], base=DEFAULT)
     with pytest.raises(ConfigError, match="unknown config key 'task.format'"):  # a letters key, not an intervals one
         load_config(overrides=["task.name=intervals", "task.format=aligned"], base=DEFAULT)
     with pytest.raises(ConfigError, match="bad value for 'task.n_train'"):

@@ -256,6 +256,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     schema = OmegaConf.structured(RunConfig)
     cfg = schema
     sources = ([str(base)] if base else []) + list(files)
+    task_sources: dict[str, str] = {}  # task key -> the file (or "command line") that set it last
     for path in sources:
         p = Path(path)
         if not p.is_file():
@@ -267,6 +268,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"{path}: a config file must be a mapping of keys (key: value), got a "
                               f"{'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
+        _note_task_keys(task_sources, loaded, path, OmegaConf.select(cfg, "task.name"))
         try:
             cfg = _merge(cfg, loaded)
         except OmegaConfBaseException as e:
@@ -280,6 +282,8 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
         for override in overrides:
+            _note_task_keys(task_sources, OmegaConf.from_dotlist([override]), "command line",
+                            OmegaConf.select(cfg, "task.name"))
             try:
                 cfg = _apply_override(cfg, override)
             except OmegaConfBaseException as e:
@@ -290,8 +294,19 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
                 raise ConfigError(f"command line: {_kind_mismatch(cfg, OmegaConf.from_dotlist([override]))}") from None
     validate(cfg)
     resolve_defaults(cfg)
-    cfg.task = resolve_task_config(cfg)
+    cfg.task = resolve_task_config(cfg, task_sources)
     return cfg
+
+
+def _note_task_keys(task_sources: dict[str, str], loaded: DictConfig, source: str, current: str | None) -> None:
+    """Remember which source set each `task.` key, so an error about one names its file."""
+    node = loaded.get("task") if isinstance(loaded, DictConfig) else None
+    if not isinstance(node, DictConfig):
+        return
+    if node.get("name", current) != current:  # switching the task replaces the whole node (`_merge`)
+        task_sources.clear()
+    for key in _all_keys(node):
+        task_sources[key] = source
 
 
 # Expert and experiment names become folder and adapter names: the export's rule (`compose.export._NAME_RE`).
@@ -463,8 +478,11 @@ def resolve_defaults(cfg: DictConfig) -> None:
         cfg.model.dtype = "float32"
 
 
-def resolve_task_config(cfg: DictConfig) -> DictConfig:
-    """The `task:` node merged over its task's settings dataclass (unknown keys and bad values are errors)."""
+def resolve_task_config(cfg: DictConfig, sources: dict[str, str] | None = None) -> DictConfig:
+    """The `task:` node merged over its task's settings dataclass (unknown keys and bad values are errors).
+
+    `sources` maps task keys to the file that set them (see `load_config`): an error names that file.
+    """
     from data.tasks import TaskError, task_class
 
     node = OmegaConf.to_container(cfg.task, resolve=True) if isinstance(cfg.task, DictConfig) else cfg.task
@@ -479,7 +497,9 @@ def resolve_task_config(cfg: DictConfig) -> DictConfig:
     except TaskError as e:
         raise ConfigError(str(e)) from None
     except OmegaConfBaseException as e:
-        raise _explain(e, OmegaConf.create({"task": schema}), "task", prefix="task.") from None
+        key = str(getattr(e, "full_key", None) or "")
+        source = (sources or {}).get(key, "task")
+        raise _explain(e, OmegaConf.create({"task": schema}), source, prefix="task.") from None
     return OmegaConf.merge({"name": name}, merged)
 
 
