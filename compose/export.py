@@ -172,24 +172,35 @@ def export_composition(
         for name, model in expert_models.items():
             model.save_pretrained(tmp / "experts" / name)
             experts.append(_expert_entry(name, "model", weights, specs))
-        pickles = [p for p in tmp.rglob("*") if p.suffix in PICKLE_SUFFIXES]
-        if pickles:
-            raise ValueError(f"export produced pickle files {[str(p.relative_to(tmp)) for p in pickles]}")
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "background": background_entry,
-            "tokenizer": "tokenizer",
-            "experts": experts,
-            "checksums": {
-                p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
-            },
-            "extra": _plain(extra),
-        }
-        (tmp / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False))
-        load_manifest(tmp)  # what we wrote must read back
+        write_manifest(tmp, background_entry, experts, extra)
 
     atomic_save(write, path, overwrite)
     return path
+
+
+def write_manifest(folder: Path, background: dict, experts: list[dict], extra: Mapping) -> dict:
+    """Write ``folder/composition.yaml``: the given entries (tokenizer at ``tokenizer/``) and the sha256 of
+    every file under ``folder``; return it as `load_manifest` reads it back.
+
+    Raises:
+        ValueError: a pickle file under ``folder``, or a manifest that does not read back.
+    """
+    pickles = [p for p in folder.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise ValueError(f"export produced pickle files {[str(p.relative_to(folder)) for p in pickles]}")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "background": background,
+        "tokenizer": "tokenizer",
+        "experts": experts,
+        "checksums": {
+            p.relative_to(folder).as_posix(): _sha256(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / MANIFEST_NAME
+        },
+        "extra": _plain(extra),
+    }
+    (folder / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return load_manifest(folder)  # what we wrote must read back
 
 
 def _save_adapter(peft_model, name: str, dest: Path, scratch: Path) -> None:

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from compose.export import export_composition
-from data.tasks import Task
+from data.tasks import Task, settings_node
 from lightning_modules.pipeline.models import load_pretrained
 
 
@@ -55,7 +55,9 @@ class ExportForComposition(pl.Callback):
         background_path: the clean background's HF folder (LoRA wraps the live model in place, so the
             export's copy is read from here).
         copy_background: copy the background into the export (self-contained) or store a reference to it.
-        extra: free-form metadata for the manifest (config, metrics).
+        extra: free-form metadata for the manifest (config, metrics). The settings of the task the experts
+            were trained on (the trainer's datamodule's task) are added as `task_settings` (its `task:` node),
+            so `compose.combine` can rebuild the task's compositional test set from the export alone.
     """
 
     def __init__(self, path: str | Path, tokenizer, specs: Mapping[str, dict], weights: Mapping[str, float],
@@ -72,9 +74,13 @@ class ExportForComposition(pl.Callback):
         names = pl_module.names
         background = load_pretrained(self.background_path) if self.copy_background else None
         ref = None if self.copy_background else str(self.background_path)
+        extra = dict(self.extra or {})
+        task = getattr(trainer.datamodule, "task", None)
+        if isinstance(task, Task):
+            extra.setdefault("task_settings", settings_node(task))
         common = dict(tokenizer=self.tokenizer, background=background, background_ref=ref,
                       weights={n: self.weights.get(n, 1.0) for n in names},
-                      specs={n: self.specs.get(n, {}) for n in names}, extra=self.extra, overwrite=self.overwrite)
+                      specs={n: self.specs.get(n, {}) for n in names}, extra=extra, overwrite=self.overwrite)
         if pl_module.hparams.mode == "lora":
             export_composition(self.path, peft_model=pl_module.peft_model, adapter_names=names, **common)
         else:

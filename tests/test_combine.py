@@ -1,0 +1,194 @@
+"""`compose.combine`: exports of separate runs (one expert each, one background) checked, composed, evaluated,
+written as one export; and each reason two exports do not combine, as one line and exit code 2."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from compose import ComposedLM
+from compose.combine import CombineError, check_exports, combine_exports, main
+from compose.export import load_export, load_manifest, write_manifest
+from lightning_modules.pipeline.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT, FAST = ROOT / "configs" / "default.yaml", ROOT / "configs" / "debug" / "fast.yaml"
+SETTINGS = {"name": "letters", "alphabet": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "min_len": 8, "max_len": 16,
+            "format": "generative", "n_train": 256, "n_val": 32, "n_test": 32, "source_prob": 0.5,
+            "compositional_min_experts": None}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs, one expert each, in the issue's set-up: the first trains the background, the second (another
+    seed) loads it with `background.path`; neither knows the other's expert."""
+    from lightning_modules.pipeline.stages import run
+
+    root = tmp_path_factory.mktemp("separate")
+    common = ["ablations=[]", "baselines=[]", "report=false"]
+    run(load_config([str(FAST)], [*common, f"output_dir={root / 'r0'}", "experts=[{name: A_to_B, rules: {A: B}}]"],
+                    base=DEFAULT))
+    run(load_config([str(FAST)], [*common, f"output_dir={root / 'r1'}", "seed=1", f"background.path={root / 'r0/background'}",
+                                  "experts=[{name: C_to_D, rules: {C: D}}]"], base=DEFAULT))
+    return root / "r0", root / "r1"
+
+
+def copy_export(src: Path, dst: Path, edit=None, rehash: bool = False) -> Path:
+    """A copy of the export `src`; `edit(manifest)` changes its manifest; `rehash` re-lists every file's sha256
+    (a valid export of changed files)."""
+    shutil.copytree(src, dst)
+    manifest = load_manifest(dst)
+    if edit is not None:
+        edit(manifest)
+    if rehash:
+        write_manifest(dst, manifest["background"], manifest["experts"], manifest["extra"])
+    else:
+        (dst / "composition.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return dst
+
+
+def test_separate_runs_combine_into_one_export_that_composes_as_one_model(runs, tmp_path):
+    from data.tasks import Expert
+    from data.tasks.letters import LettersConfig, LettersTask
+
+    e0, e1 = runs[0] / "export", runs[1] / "export"
+    assert load_manifest(e1)["extra"]["task_settings"] == SETTINGS  # recorded at export time
+    out = tmp_path / "combined"
+    result = combine_exports([e0, e1], out, batch_size=32)
+    assert (result["experts"], result["k"], result["seed"], result["n_test"]) == (["A_to_B", "C_to_D"], 2, 0, 32)
+    assert any("seeds [0, 1]" in note for note in result["notes"])
+
+    # The reference: both adapters in one PeftModel, one ComposedLM, the task built here from its settings.
+    loaded = load_export(e0)
+    loaded.experts.load_adapter(str(e1 / "experts" / "C_to_D"), adapter_name="C_to_D")
+    reference = ComposedLM.from_peft(loaded.experts, ["A_to_B", "C_to_D"], tokenizer=loaded.tokenizer)
+    experts = [Expert("A_to_B", {"rules": {"A": "B"}}), Expert("C_to_D", {"rules": {"C": "D"}})]
+    task = LettersTask(LettersConfig(n_train=256, n_val=32, n_test=32), experts, seed=0)
+    expected = task.composition_metrics(reference, task.compositional_dataset("test"), 32)
+    assert result["metrics"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+    combined = ComposedLM.from_manifest(out)
+    assert (combined.names, combined.weights, combined.specs) == (
+        ["A_to_B", "C_to_D"], [1.0, 1.0], [{"rules": {"A": "B"}}, {"rules": {"C": "D"}}])
+    manifest = load_manifest(out)
+    assert "metrics.json" in manifest["checksums"] and manifest["background"] == {"path": "background"}
+    assert [s["experts"] for s in manifest["extra"]["combined_from"]] == [["A_to_B"], ["C_to_D"]]
+    # A combined export is an input again (an expert trained later would join it), and --out is never overwritten.
+    again = combine_exports([out], limit=8, batch_size=8)
+    assert again["experts"] == ["A_to_B", "C_to_D"] and again["n_test"] == 8
+    with pytest.raises(CombineError, match="exists"):
+        combine_exports([e0, e1], out)
+
+
+def test_cli_prints_and_writes_the_metrics(runs, tmp_path, capsys):
+    metrics = tmp_path / "m.json"
+    out = tmp_path / "ref"
+    argv = [str(runs[0] / "export"), str(runs[1] / "export"), "--limit", "4", "--batch_size", "4",
+            "--composition", "gated", "--metrics", str(metrics), "--out", str(out), "--background", "ref", "--device", "cpu"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("composed 2 experts (A_to_B, C_to_D) from 2 exports: exact_match=")
+    assert "on 4 compositional test rows (gated)" in printed
+    written = yaml.safe_load(metrics.read_text())
+    assert written["n_test"] == 4 and "exact_match" in written["metrics"] and written["out"] == str(out)
+    bg = load_manifest(out)["background"]
+    assert Path(bg["ref"]) == (runs[0] / "export" / "background").resolve() and not (out / "background").exists()
+
+
+def test_old_exports_take_the_task_settings_from_their_runs_config(runs, tmp_path):
+    """Exports written before `task_settings` was recorded: the run's config.yaml beside the export."""
+    def forget(manifest):
+        del manifest["extra"]["task_settings"]
+
+    run = tmp_path / "old"
+    shutil.copytree(runs[1], run)
+    copy_export(runs[1] / "export", tmp_path / "tmp", forget)
+    shutil.rmtree(run / "export")
+    shutil.move(tmp_path / "tmp", run / "export")
+    combination = check_exports([runs[0] / "export", run / "export"])
+    assert combination.settings == SETTINGS and combination.names == ["A_to_B", "C_to_D"]
+    alone = copy_export(runs[1] / "export", tmp_path / "alone", forget)
+    with pytest.raises(CombineError, match="no extra.task_settings and there is no config.yaml"):
+        check_exports([runs[0] / "export", alone])
+
+
+def test_training_only_settings_may_differ(runs, tmp_path):
+    other = copy_export(runs[1] / "export", tmp_path / "n", lambda m: m["extra"]["task_settings"].update(n_train=512))
+    combination = check_exports([runs[0] / "export", other])
+    assert any("task.n_train differs" in note for note in combination.notes)
+
+
+def _other_background(manifest_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(manifest_dir / "background")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(manifest_dir / "background")
+
+
+def _other_tokenizer(manifest_dir: Path) -> None:
+    from data.tokenizer import build_char_tokenizer
+
+    shutil.rmtree(manifest_dir / "tokenizer")
+    build_char_tokenizer("ABCDEFGH").save_pretrained(manifest_dir / "tokenizer")
+
+
+def _bad(kind: str, runs, tmp: Path) -> list[str]:
+    """Export folders that do not combine, for each reason."""
+    e0, e1 = runs[0] / "export", runs[1] / "export"
+    if kind == "missing":
+        return [str(e0), str(tmp / "nowhere")]
+    if kind == "corrupt":
+        bad = copy_export(e1, tmp / "corrupt")
+        (bad / "experts/C_to_D/adapter_model.safetensors").write_bytes(b"truncated")
+        return [str(e0), str(bad)]
+    if kind in ("background", "tokenizer"):
+        bad = tmp / kind
+        shutil.copytree(e1, bad)
+        (_other_background if kind == "background" else _other_tokenizer)(bad)
+        copy_export(bad, tmp / f"{kind}-rehashed", rehash=True)
+        return [str(e0), str(tmp / f"{kind}-rehashed")]
+    if kind == "clash":
+        return [str(e0), str(copy_export(e0, tmp / "again"))]
+    if kind == "overlap":
+        def read_a(m):
+            m["experts"][0]["spec"] = {"rules": {"A": "D"}}
+        return [str(e0), str(copy_export(e1, tmp / "overlap", read_a))]
+    if kind == "settings":
+        return [str(e0), str(copy_export(e1, tmp / "len", lambda m: m["extra"]["task_settings"].update(max_len=20)))]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("missing", r"nowhere: no such export folder"),
+    ("corrupt", r"corrupt: not a valid export: .*adapter_model.safetensors: sha256 mismatch"),
+    ("background", r"r0/export and .*background-rehashed have different backgrounds \(model.safetensors differs"),
+    ("tokenizer", r"r0/export and .*tokenizer-rehashed have different tokenizers"),
+    ("clash", r"expert name 'A_to_B' is in both .*r0/export and .*again"),
+    ("overlap", r"source letter 'A' is shared by experts 'A_to_B' and 'C_to_D' .*\(A_to_B: .*r0/export; "
+                r"C_to_D: .*overlap\)"),
+    ("settings", r"task settings differ: task.max_len is 16 in .*r0/export but 20 in .*len, so the compositional"),
+])
+def test_exports_that_do_not_combine_are_one_line_and_exit_2(runs, tmp_path, capsys, kind, message):
+    argv = _bad(kind, runs, tmp_path)
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("compose.combine: error: "), err
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_overlapping_masks_combine_when_allowed_and_are_noted(runs, tmp_path):
+    def read_a(m):
+        m["experts"][0]["spec"] = {"rules": {"A": "D"}}
+
+    other = copy_export(runs[1] / "export", tmp_path / "overlap", read_a)
+    combination = check_exports([runs[0] / "export", other], allow_overlap=True)
+    assert any("'A' is shared" in note for note in combination.notes)
