@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import torch
 from torch.utils.data import DataLoader
 
-from data.splits import derive_seed
+from data.sampler import ResumableLoader
 from data.tasks.base import Task
 
 
@@ -19,7 +18,11 @@ class TaskDataModule(pl.LightningDataModule):
         batch_size: rows per batch (all loaders).
         corruption_prob: prefix corruption of training batches (validation and test batches are clean).
         num_workers: DataLoader workers.
-        seed: seeds the training shuffle.
+        seed: seeds the training order and its corruption (`data.sampler`).
+
+    Resuming: training batch `n` of a stage is a pure function of (seed, n), and the training loader
+    (`data.sampler.ResumableLoader`) saves in every checkpoint how many batches the trainer has consumed (its
+    optimizer steps: one batch each, no gradient accumulation), so a resumed fit starts at the next batch.
     """
 
     def __init__(self, task: Task, rows: str, batch_size: int = 64, corruption_prob: float = 0.0,
@@ -34,17 +37,20 @@ class TaskDataModule(pl.LightningDataModule):
         return self.task.background_dataset(split) if self.rows == "background" else self.task.expert_dataset(split)
 
     def _loader(self, split: str) -> DataLoader:
-        train = split == "train"
         return DataLoader(
-            self.dataset(split), batch_size=self.batch_size, shuffle=train,
-            collate_fn=self.task.collator(self.corruption_prob if train else 0.0),
+            self.dataset(split), batch_size=self.batch_size, collate_fn=self.task.collator(0.0),
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(derive_seed(self.seed, "shuffle")) if train else None,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches with prefix corruption."""
-        return self._loader("train")
+    def train_dataloader(self) -> ResumableLoader:
+        """Shuffled training batches with prefix corruption; a resumed fit continues where it stopped."""
+        trainer = self.trainer
+        return ResumableLoader(
+            self.dataset("train"), self.task.collator(self.corruption_prob), self.batch_size, self.seed, self.rows,
+            num_replicas=trainer.world_size if trainer is not None else 1,
+            rank=trainer.global_rank if trainer is not None else 0,
+            consumed=(lambda: trainer.global_step) if trainer is not None else None, num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Clean validation batches, in order."""

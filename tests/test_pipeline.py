@@ -198,25 +198,39 @@ def test_resume_continues_an_interrupted_stage_from_its_last_checkpoint(fast_run
     shutil.copytree(fast_run[0], out)
     shutil.rmtree(out / "background")  # as if the run died after the background's last checkpoint
     shutil.rmtree(out / "export")
-    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "background.max_steps=13")
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Restoring states from the checkpoint path" in proc.stderr + proc.stdout
     state = torch.load(out / "checkpoints/background/last.ckpt", map_location="cpu", weights_only=True)
-    assert state["global_step"] == 13  # 10 steps restored, 3 more trained
+    assert state["global_step"] == 10 and state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches": 10}]
     assert (out / "background/model.safetensors").is_file() and (out / "export/composition.yaml").is_file()
+    before, after = (json.loads((d / "summary.json").read_text()) for d in (fast_run[0], out))
+    assert after["composition"] == before["composition"] and after["experts"] == before["experts"]
 
 
-def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(fast_run, tmp_path):
+def test_resume_with_a_changed_config_is_refused_naming_the_keys(fast_run, tmp_path):
     import shutil
 
     out = tmp_path / "run"
     shutil.copytree(fast_run[0], out)
     shutil.rmtree(out / "background")
-    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "model.hidden_size=48")
+    config = (out / "config.yaml").read_text()
+    proc = train(FAST, f"output_dir={out}", "ckpt_path=last", "model.hidden_size=48", "expert.lora.r=4")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ckpt_path=last:") and "model.hidden_size (32 -> 48)" in last
+    assert "expert.lora.r (2 -> 4)" in last  # the experts are exported: their keys are fixed too
+    assert "Traceback" not in proc.stderr
+    assert (out / "config.yaml").read_text() == config and (out / "export/composition.yaml").is_file()
+
+
+def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(fast_run, tmp_path):
+    out = tmp_path / "run"
+    ckpt = fast_run[0] / "checkpoints/background/last.ckpt"
+    proc = train(FAST, f"output_dir={out}", f"ckpt_path={ckpt}", "model.hidden_size=48", "ablations=[]")
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: checkpoint") and "does not match the config" in last
-    assert (out / "export/composition.yaml").is_file()  # what was written before is intact
 
 
 def test_overlapping_experts_run_when_allowed_and_are_marked(tmp_path):

@@ -9,6 +9,8 @@ what libraries print on every stage although nothing is wrong, each by its exact
 * "Found N module(s) in eval mode at the start of training": the experts' frozen background is kept in eval
   mode on purpose (no dropout in the reference distribution).
 * "The '..._dataloader' does not have many workers": rows are pre-tokenized in memory and collated cheaply.
+* "Checkpoint directory ... exists and is not empty": said when a stage resumes (`ckpt_path=last`), which
+  continues in its own checkpoint folder on purpose (a new run's folder is always empty).
 * FutureWarnings of calls we cannot change: transformers' `is_gradient_checkpointing` (read by peft's
   `get_peft_model`), torch's `LeafSpec` (used by Lightning's pytree helper).
 * transformers' "Loading weights" / "Writing model shards" bars, shown for every small load and save.
@@ -40,6 +42,7 @@ NOISE_LOG_MESSAGES: tuple[str, ...] = (
 NOISE_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"Found \d+ module\(s\) in eval mode at the start of training", UserWarning),
     (r"The '\w+' does not have many workers", UserWarning),
+    (r"Checkpoint directory .* exists and is not empty", UserWarning),
     (r"`is_gradient_checkpointing` is deprecated", FutureWarning),
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
 )

@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from compose.common import atomic_file, atomic_write_text
+
 COMPONENT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("exact_match", "exact match"),
     ("off_mask_kl", "off-mask KL"),
@@ -158,7 +160,8 @@ def plot_accuracy_vs_k(summary: dict, path: str | Path) -> Path | None:
     ax.legend(title="variant", loc="best")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:  # a kill never leaves half a PNG
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 
@@ -281,7 +284,8 @@ def plot_divergence_heatmap(divergence_map: dict, path: str | Path, max_experts:
                  fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:  # a kill never leaves half a PNG
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 
@@ -444,5 +448,5 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
     lines += _reproduce_section(summary)
 
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path

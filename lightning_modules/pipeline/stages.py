@@ -19,11 +19,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
-from compose.common import atomic_save, atomic_write_text
+from compose.common import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
 from data.datamodule import TaskDataModule
@@ -48,6 +47,14 @@ from lightning_modules.pipeline.models import (
     pretrained_folder,
 )
 from lightning_modules.pipeline.report import write_report
+from lightning_modules.pipeline.resume import (
+    AtomicCheckpointIO,
+    PausePoints,
+    ResumableCSVLogger,
+    check_resume,
+    last_step,
+    seed_stage,
+)
 from losses import IGNORE_INDEX, divergence
 
 # Keys of the composition's metrics that belong to one expert (`<name>/<key>`): they go under
@@ -162,6 +169,7 @@ def _verify_export_holding(folder: Path, key: str) -> None:
 def plan_run(cfg: DictConfig) -> Plan:
     """Validate everything the config names (task, experts, files, exports, tokenizers) without writing."""
     out = output_dir(cfg)
+    check_resume(cfg, out)
     check_trainer(cfg)
     for key in ("background.path", "model.pretrained_path"):
         if OmegaConf.select(cfg, key):
@@ -281,9 +289,13 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbacks: list) -> pl.Trainer:
     t = cfg.trainer
+    # A checkpoint after each validation (every val_check_interval steps), so that a stage resumed from it has
+    # already run that validation (one saved before it would skip it); without validation, every N steps.
+    when = (dict(every_n_epochs=1, save_on_train_epoch_end=False) if t.limit_val_batches != 0
+            else dict(every_n_train_steps=t.val_check_interval))
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints" / stage, filename="step{step}", save_last=True,
-                                 every_n_train_steps=t.val_check_interval, save_top_k=1, auto_insert_metric_name=False)
-    loggers = [CSVLogger(out / "logs", name=stage, version="")]
+                                 save_top_k=1, auto_insert_metric_name=False, **when)
+    loggers = [ResumableCSVLogger(out / "logs", name=stage, version="")]
     try:
         import tensorboard  # noqa: F401
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -294,6 +306,7 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
     # The progress bar counts the stage's steps (console.StepProgressBar); a default value is left to Lightning
     # (passing `limit_val_batches=1.0` explicitly makes it print that it will use 100% of the batches).
     bar = [console.StepProgressBar(stage)] if t.enable_progress_bar else []
+    pause = [PausePoints(out, stage)] if os.environ.get(PAUSE_ENV) else []
     return pl.Trainer(
         max_steps=max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
         precision=t.precision, val_check_interval=min(t.val_check_interval, max_steps),
@@ -302,12 +315,14 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
         else t.limit_val_batches,  # (an int 1 is one batch)
         num_sanity_val_steps=t.num_sanity_val_steps,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False,
-        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *bar, *callbacks],
-        logger=loggers, default_root_dir=out,
+        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *bar, *pause, *callbacks],
+        logger=loggers, default_root_dir=out, plugins=[AtomicCheckpointIO()],
     )
 
 
 def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, stage: str) -> None:
+    """Fit one stage; with `ckpt_path=last`, from the stage's `last.ckpt` when it has one (a stage that was
+    interrupted after its last step then only runs its end: the fit-end callbacks and the final save)."""
     ckpt = None
     if cfg.ckpt_path == "last":
         last = out / "checkpoints" / stage / "last.ckpt"
@@ -334,6 +349,7 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     if (path / "config.json").is_file():  # finished earlier (resumed run)
         return path
     b = cfg.background
+    seed_stage(cfg.seed, "background")
     model = build_causal_lm(cfg.model, plan.tokenizer)
     print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}")
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
@@ -366,6 +382,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained), e.corruption_prob,
                         cfg.data.num_workers, cfg.seed)
     dm.dataset("train")
+    seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
     print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
           f"reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
@@ -377,10 +394,12 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
                              extra={"experiment": cfg.experiment, "seed": cfg.seed, "task": cfg.task.name},
                              overwrite=cfg.ckpt_path == "last"),
     ]
-    export = plan.out / "export" / "composition.yaml"
-    if cfg.ckpt_path == "last" and export.is_file():  # finished earlier: reload the trained adapters
-        state = torch.load(plan.out / "checkpoints" / "experts" / "last.ckpt", map_location="cpu", weights_only=True)
-        module.load_state_dict(state["state_dict"])
+    export, last = plan.out / "export" / MANIFEST_NAME, plan.out / "checkpoints" / "experts" / "last.ckpt"
+    # Finished earlier: the export is written at the end of the fit, `last.ckpt` right after it. An export
+    # without the final checkpoint (a kill in between) resumes the fit, which writes both again.
+    if cfg.ckpt_path == "last" and export.is_file() and last_step(last) == e.max_steps:
+        state = torch.load(last, map_location="cpu", weights_only=True)
+        module.load_state_dict(state["state_dict"])  # the trained adapters
         return module
     _fit(make_trainer(cfg, plan.out, "experts", e.max_steps, callbacks), module, dm, cfg, plan.out, "experts")
     return module
@@ -389,6 +408,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
 def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None) -> dict:
     """Final evaluation on the test split: background, each expert alone, and the composition."""
     task, tok, bs = plan.task, plan.tokenizer, cfg.composition.eval_batch_size
+    seed_stage(cfg.seed, "composition")
     console.stage("composition", "decoding the test split: background")
     background = load_pretrained(background_path, tok).eval()
     summary: dict = {"background": task.evaluate_background(ComposedLM(background, tokenizer=tok), "test", bs)}
@@ -484,10 +504,13 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`)."""
     t0 = time.time()
     console.quiet()
-    plan = plan_run(cfg)
+    plan = plan_run(cfg)  # with ckpt_path=last: refuses a config that changes what the run already trained
+    if cfg.ckpt_path == "last":
+        remove_stale_temporaries(plan.out)  # what a killed atomic save left behind
     plan.out.mkdir(parents=True, exist_ok=True)
-    (plan.out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    saved = cfg.copy()
+    saved.ckpt_path = None  # the run's config; how it was (re)started is the summary's `command`
+    atomic_write_text(plan.out / "config.yaml", OmegaConf.to_yaml(saved, resolve=True))
     torch.set_float32_matmul_precision("high")
     if not (plan.out / "tokenizer").is_dir():
         atomic_save(plan.tokenizer.save_pretrained, plan.out / "tokenizer")
