@@ -4,6 +4,10 @@ The task decodes (exact match, skill accuracy); this module scores the *ideal* c
 prefixes the composition should produce: NLL, projectivity error, the composed margin on and off the masks,
 each expert's off/on-mask KL, largest off-mask centered log-ratio and active-set precision/recall against its
 mask, and pairwise active-set IoU. Shared by the validation callback and the final test stage.
+
+Under a process group of W > 1 ranks (every rank calling it in step), rank `r` scores rows `r, r + W, ...` and the
+metrics reduce across the ranks (torchmetrics; the largest log-ratio by an all-reduce): the same values as one
+process scoring every row (`compose.distributed`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import Tensor
 
 from compose.composed_lm import ComposedLM
+from compose.distributed import all_reduce_max, rank_and_world
 from compose.metrics import (
     ActiveSetOverlap,
     ActiveSetPrecisionRecall,
@@ -49,7 +54,8 @@ def teacher_forced_metrics(model: ComposedLM, rows, collate: Callable, batch_siz
     active = [ActiveSetPrecisionRecall(threshold=active_threshold).to(device) for _ in range(k)]
     overlap = ActiveSetOverlap(num_experts=k, threshold=active_threshold).to(device) if k > 1 else None
     max_ratio = torch.zeros(k)
-    rows = [rows[i] for i in range(len(rows))]
+    rank, world = rank_and_world()
+    rows = [rows[i] for i in range(rank, len(rows), world)]  # every row in a single process
     for start in range(0, len(rows), batch_size):
         batch = {key: v.to(device) if isinstance(v, Tensor) else v
                  for key, v in collate(rows[start:start + batch_size]).items()}
@@ -69,6 +75,7 @@ def teacher_forced_metrics(model: ComposedLM, rows, collate: Callable, batch_siz
             on[i].update(*args)
             active[i].update(*args)
             max_ratio[i] = max(max_ratio[i], _max_off_mask_log_ratio(lp_e[i], lp_b, targets, masks[:, i]))
+    max_ratio = all_reduce_max(max_ratio.to(device)).cpu()
     results = {"nll": float(nll.compute()), "projectivity_error": float(proj.compute())}
     for region, metric in margins.items():
         for key, value in metric.compute().items():

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 
+from compose.distributed import sharded
 from compose.export import export_composition
 from data.tasks import Task, settings_node
 from lightning_modules.pipeline.models import load_pretrained
+
+
+@contextmanager
+def full_parameters(trainer: pl.Trainer) -> Iterator[None]:
+    """The module's whole parameters outside the strategy's own forward: under FSDP they are gathered from the
+    shards for the block (not written back); nothing to do otherwise. Every rank must enter it."""
+    if isinstance(trainer.strategy, FSDPStrategy):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False):
+            yield
+    else:
+        yield
 
 
 class CompositionEvaluation(pl.Callback):
@@ -19,6 +35,9 @@ class CompositionEvaluation(pl.Callback):
     Decodes the task's compositional validation rows with `ComposedLM` and logs, under `val/composed/`, what
     `Task.composition_metrics` returns: `exact_match`, `nll`, `projectivity_error`, per-skill accuracy,
     per-expert off/on-mask KL on compositional prefixes, pairwise active-set overlap, and the task's extras.
+
+    In a distributed run every rank evaluates in step: rank `r` decodes and scores rows `r, r + W, ...` and the
+    metrics are reduced across the ranks (`compose.distributed`), so each rank logs the values of all the rows.
 
     Args:
         task: the task (its `compositional_dataset("val")`, in the composed model's expert order).
@@ -38,8 +57,9 @@ class CompositionEvaluation(pl.Callback):
         dataset = self.task.compositional_dataset("val")
         if self.limit is not None and len(dataset) > self.limit:
             dataset = dataset.select(range(self.limit))
-        composed = pl_module.composed_model(self.task.tokenizer)
-        self.last = self.task.composition_metrics(composed, dataset, self.batch_size, self.active_threshold)
+        with full_parameters(trainer):
+            composed = sharded(pl_module.composed_model(self.task.tokenizer))
+            self.last = self.task.composition_metrics(composed, dataset, self.batch_size, self.active_threshold)
         for key, value in self.last.items():
             pl_module.log(f"val/composed/{key}", value, prog_bar=key == "exact_match", sync_dist=True)
 
@@ -69,8 +89,12 @@ class ExportForComposition(pl.Callback):
 
     @torch.no_grad()
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
+        """Rank 0 writes the export (every rank gathers FSDP's shards with it)."""
+        with full_parameters(trainer):
+            if trainer.is_global_zero:
+                self._export(trainer, pl_module)
+
+    def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = pl_module.names
         background = load_pretrained(self.background_path) if self.copy_background else None
         ref = None if self.copy_background else str(self.background_path)

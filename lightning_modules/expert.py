@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from compose import ComposedLM
@@ -103,6 +104,7 @@ class ExpertLM(pl.LightningModule):
             raise ValueError(f"mode={mode!r} is not one of lora, full, head")
         metric = lambda region: nn.ModuleDict({n: MaskedDivergence(region=region) for n in self.names})  # noqa: E731
         self.val_off_mask_kl, self.val_on_mask_kl = metric("off"), metric("on")
+        self.val_nll = nn.ModuleDict({n: MeanMetric() for n in self.names})
         self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=active_threshold) for n in self.names})
 
     # --- forwards -----------------------------------------------------------------------------
@@ -126,17 +128,22 @@ class ExpertLM(pl.LightningModule):
 
     @torch.no_grad()
     def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The background's logits: under LoRA, the same model with every adapter disabled.
+
+        `disable_adapter()` is the `PeftModel`'s own (found under any DDP/FSDP wrapper: `peft_model`); the forward
+        goes through `self.model`, so that a wrapper that holds the weights sharded (FSDP) gathers them.
+        """
         if self.hparams.mode != "lora":
             with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
                 return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
-        model = self.peft_model
-        with model.disable_adapter(), eval_mode(model):
-            # A wrapper (FSDP, say) that re-enables adapters would silently regularize toward the expert.
-            if any(not m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer)):
+        peft = self.peft_model
+        with peft.disable_adapter(), eval_mode(self.model):
+            # A wrapper that re-enabled adapters would silently regularize toward the expert.
+            if any(not m.disable_adapters for m in self.model.modules() if isinstance(m, LoraLayer)):
                 raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         # Leaving disable_adapter() re-activates only peft's "active" adapter and freezes the others.
-        model.set_requires_grad(self.names, True)
+        peft.set_requires_grad(self.names, True)
         return logits
 
     @property
@@ -175,6 +182,10 @@ class ExpertLM(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         if log_now:
             self._log_per_expert(logits.detach(), bg, targets, own_mask, expert_index, is_task)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            # DDP reduces the gradient of every trainable parameter each step, but a rank's batch may hold no row
+            # of an expert (its adapter then takes no part in the loss): a zero term keeps each one in the graph.
+            loss = loss + 0.0 * sum(p.sum() for p in self.parameters() if p.requires_grad)
         return loss
 
     @torch.no_grad()
@@ -202,19 +213,30 @@ class ExpertLM(pl.LightningModule):
             self.val_off_mask_kl[name].update(*args)
             self.val_on_mask_kl[name].update(*args)
             self.val_active[name].update(*args)
-            self.log(f"val/{name}/nll", task_nll(logits[rows], targets[rows]), batch_size=int(rows.sum()))
+            self.val_nll[name].update(task_nll(logits[rows], targets[rows]),  # token-weighted
+                                      weight=(targets[rows] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:
+        """Log each expert's validation metrics, reduced across the ranks of a distributed run (torchmetrics'
+        `compute`; every rank computes the same metrics in the same order, so each reduction is entered by all)."""
         for name in self.names:
-            if self.val_off_mask_kl[name].update_count == 0:
-                continue
-            self.log(f"val/{name}/off_mask_kl", self.val_off_mask_kl[name].compute())
-            self.log(f"val/{name}/on_mask_kl", self.val_on_mask_kl[name].compute())
-            pr = self.val_active[name].compute()
-            self.log(f"val/{name}/active_precision", pr["precision"])
-            self.log(f"val/{name}/active_recall", pr["recall"])
-            for m in (self.val_off_mask_kl, self.val_on_mask_kl, self.val_active):
+            metrics = (self.val_off_mask_kl, self.val_on_mask_kl, self.val_active, self.val_nll)
+            if self._rows_seen(self.val_off_mask_kl[name]):  # an expert with no validation rows logs nothing
+                values = {"off_mask_kl": self.val_off_mask_kl[name].compute(),
+                          "on_mask_kl": self.val_on_mask_kl[name].compute(), "nll": self.val_nll[name].compute()}
+                pr = self.val_active[name].compute()
+                values |= {"active_precision": pr["precision"], "active_recall": pr["recall"]}
+                for key, value in values.items():  # the same value on every rank: sync_dist keeps it as it is
+                    self.log(f"val/{name}/{key}", value, sync_dist=True)
+            for m in metrics:
                 m[name].reset()
+
+    def _rows_seen(self, metric) -> bool:
+        """Whether any rank updated `metric` in this validation."""
+        count = torch.tensor(metric.update_count, device=self.device)
+        if self._trainer is not None:
+            count = self.trainer.strategy.reduce(count, reduce_op="sum")
+        return bool(count > 0)
 
     def configure_optimizers(self) -> dict:
         h = self.hparams

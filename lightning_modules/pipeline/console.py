@@ -5,7 +5,8 @@ progress bar counting the stage's optimizer steps, the summary table and the rep
 what libraries print on every stage although nothing is wrong, each by its exact message:
 
 * Lightning's info lines: "GPU available / TPU available", the litlogger tip, "`Trainer(...=1.0)` was configured
-  so ...", "`Trainer.fit` stopped: `max_steps=N` reached." (the stage line already says how many steps).
+  so ...", "`Trainer.fit` stopped: `max_steps=N` reached." (the stage line already says how many steps), and under
+  DDP each rank's "Initializing distributed: ..." and the "distributed_backend=..." banner.
 * "Found N module(s) in eval mode at the start of training": the experts' frozen background is kept in eval
   mode on purpose (no dropout in the reference distribution).
 * "The '..._dataloader' does not have many workers": rows are pre-tokenized in memory and collated cheaply.
@@ -37,6 +38,8 @@ NOISE_LOG_MESSAGES: tuple[str, ...] = (
     r"💡 Tip: ",
     r"`Trainer\(\w+=1(\.0)?\)` was configured so ",
     r"`Trainer\.fit` stopped: `max_steps=\d+` reached",
+    r"Initializing distributed: GLOBAL_RANK: ",
+    r"-+\ndistributed_backend=",
 )
 # (message regex, category) of warnings that point at no problem of the run.
 NOISE_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (

@@ -19,10 +19,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
 from compose.common import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
+from compose.distributed import sharded
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
 from data.datamodule import TaskDataModule
@@ -30,7 +32,7 @@ from data.tasks import Expert, Task, TaskError, task_class
 from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
 from lightning_modules.expert import ExpertLM
-from lightning_modules.pipeline import console
+from lightning_modules.pipeline import console, ranks
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
 from lightning_modules.pipeline.config import (
     ConfigError,
@@ -85,7 +87,16 @@ class Plan:
 
 
 def output_dir(cfg: DictConfig) -> Path:
-    """The run's folder: `output_dir`, or `runs/<experiment>/<timestamp>`; refuses to overwrite one."""
+    """The run's folder: `output_dir`, or `runs/<experiment>/<timestamp>`; refuses to overwrite one.
+
+    A rank > 0 of a distributed run takes rank 0's folder as it is (`ranks`): rank 0 has checked it, and it is
+    not empty by the time the others start."""
+    if not ranks.is_leader():
+        folder = cfg.output_dir or os.environ.get(ranks.OUTPUT_DIR_ENV)
+        if not folder:
+            raise ConfigError("this process is a rank > 0 of a distributed run (LOCAL_RANK, NODE_RANK or RANK set) "
+                              f"but was given no run folder: pass output_dir= (or ${ranks.OUTPUT_DIR_ENV})")
+        return Path(folder)
     resuming = cfg.ckpt_path == "last"
     if cfg.output_dir:
         out = Path(cfg.output_dir)
@@ -98,6 +109,7 @@ def output_dir(cfg: DictConfig) -> Path:
             raise ConfigError("ckpt_path=last needs output_dir= naming the run to resume")
         out = Path("runs") / cfg.experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
         _check_writable(out, "runs/<experiment>/<timestamp> (no output_dir given)")
+        os.environ[ranks.OUTPUT_DIR_ENV] = str(out)  # for the ranks Lightning's launcher may start later
     if resuming and not out.exists():
         raise ConfigError(f"ckpt_path=last: output_dir {out} does not exist")
     return out
@@ -122,11 +134,16 @@ def _check_writable(out: Path, key: str = "output_dir") -> None:
 
 def check_trainer(cfg: DictConfig) -> None:
     """The accelerator must be on this machine, and Lightning must accept accelerator, devices, strategy and
-    precision together: a Trainer is built from them (it writes nothing) and its refusal becomes one line."""
+    precision together: a Trainer is built from them (it writes nothing) and its refusal becomes one line.
+    FSDP is Lightning's on CUDA devices only: on any other accelerator it is refused naming the one it needs."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.accelerators import MPSAccelerator, XLAAccelerator
 
     t = cfg.trainer
+    if t.strategy in FSDPStrategy.get_registered_strategies() and t.accelerator not in ("gpu", "cuda"):
+        raise ConfigError(f"trainer.strategy={t.strategy} needs trainer.accelerator=gpu (CUDA devices; got "
+                          f"trainer.accelerator={t.accelerator}): Lightning runs FSDP on CUDA only; on CPU use "
+                          "trainer.strategy=ddp")
     available = {"gpu": torch.cuda.is_available, "cuda": torch.cuda.is_available,
                  "mps": MPSAccelerator.is_available, "tpu": XLAAccelerator.is_available}
     if t.accelerator in available and not available[t.accelerator]():
@@ -169,7 +186,8 @@ def _verify_export_holding(folder: Path, key: str) -> None:
 def plan_run(cfg: DictConfig) -> Plan:
     """Validate everything the config names (task, experts, files, exports, tokenizers) without writing."""
     out = output_dir(cfg)
-    check_resume(cfg, out)
+    if ranks.is_leader():
+        check_resume(cfg, out)
     check_trainer(cfg)
     for key in ("background.path", "model.pretrained_path"):
         if OmegaConf.select(cfg, key):
@@ -326,7 +344,7 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
     ckpt = None
     if cfg.ckpt_path == "last":
         last = out / "checkpoints" / stage / "last.ckpt"
-        ckpt = str(last) if last.is_file() else None
+        ckpt = ranks.agree(lambda: str(last) if last.is_file() else None)
     elif cfg.ckpt_path:
         ckpt = cfg.ckpt_path
     try:
@@ -346,7 +364,7 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     if cfg.background.path:
         return pretrained_folder(cfg.background.path, "background.path")
     path = plan.out / "background"
-    if (path / "config.json").is_file():  # finished earlier (resumed run)
+    if ranks.agree(lambda: (path / "config.json").is_file()):  # finished earlier (resumed run)
         return path
     b = cfg.background
     seed_stage(cfg.seed, "background")
@@ -356,7 +374,9 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps)
     dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
-    atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
+    if ranks.is_leader():
+        atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
+    ranks.barrier()  # every rank loads the experts' background from `path`
     return path
 
 
@@ -397,11 +417,18 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     export, last = plan.out / "export" / MANIFEST_NAME, plan.out / "checkpoints" / "experts" / "last.ckpt"
     # Finished earlier: the export is written at the end of the fit, `last.ckpt` right after it. An export
     # without the final checkpoint (a kill in between) resumes the fit, which writes both again.
-    if cfg.ckpt_path == "last" and export.is_file() and last_step(last) == e.max_steps:
+    if cfg.ckpt_path == "last" and ranks.agree(lambda: export.is_file() and last_step(last) == e.max_steps):
         state = torch.load(last, map_location="cpu", weights_only=True)
         module.load_state_dict(state["state_dict"])  # the trained adapters
         return module
-    _fit(make_trainer(cfg, plan.out, "experts", e.max_steps, callbacks), module, dm, cfg, plan.out, "experts")
+    trainer = make_trainer(cfg, plan.out, "experts", e.max_steps, callbacks)
+    _fit(trainer, module, dm, cfg, plan.out, "experts")
+    if isinstance(trainer.strategy, FSDPStrategy):
+        # The module's parameters are now views of FSDP's shards: go on with the whole trained state, from the
+        # final checkpoint (written by rank 0, every rank past its barrier).
+        state = torch.load(last, map_location="cpu", weights_only=True)
+        module = expert_module(cfg, plan, background_path)
+        module.load_state_dict(state["state_dict"])
     return module
 
 
@@ -411,18 +438,19 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     seed_stage(cfg.seed, "composition")
     console.stage("composition", "decoding the test split: background")
     background = load_pretrained(background_path, tok).eval()
-    summary: dict = {"background": task.evaluate_background(ComposedLM(background, tokenizer=tok), "test", bs)}
+    # (`sharded`: in a distributed run each rank decodes its share of every batch; all get every output)
+    summary: dict = {"background": task.evaluate_background(sharded(ComposedLM(background, tokenizer=tok)), "test", bs)}
     if module is None:
         return summary
     module.eval()
     summary["experts"] = {}
     for name in plan.trained:
         console.stage("composition", f"decoding the test split: expert {name} alone")
-        alone = task.evaluate_expert(module.composed_model(tok, names=[name]), name, "test", bs)
+        alone = task.evaluate_expert(sharded(module.composed_model(tok, names=[name])), name, "test", bs)
         # `skill_accuracy` of an expert is its accuracy inside the composition (below); alone it is this:
         summary["experts"][name] = {("skill_accuracy_alone" if k == "skill_accuracy" else k): v for k, v in alone.items()}
     test_set = task.compositional_dataset("test")
-    composed = module.composed_model(tok)
+    composed = sharded(module.composed_model(tok))
     console.stage("composition", f"decoding {len(test_set)} compositional test rows: {', '.join(plan.in_play)}")
     results = task.composition_metrics(composed, test_set, bs, cfg.composition.active_threshold)
     for name in plan.in_play:
@@ -445,8 +473,9 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         composed.composition = "soft"
     if task.notes:
         summary["composition"]["notes"] = task.notes
-    write_divergence_map(composed, test_set.select(range(min(4, len(test_set)))), task.collator(),
-                         plan.out / "divergence_map.json")
+    if ranks.is_leader():
+        write_divergence_map(composed, test_set.select(range(min(4, len(test_set)))), task.collator(),
+                             plan.out / "divergence_map.json")
     if cfg.baselines:
         summary["baselines"] = merge_baselines(cfg, plan, module, test_set)
     return summary
@@ -477,7 +506,7 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
                                                 composed.weights), tokenizer=tok)
         merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
         results[method] = {
-            **task.evaluate_composition(merged, test_set, bs),  # exact match, per-skill accuracy, task extras
+            **task.evaluate_composition(sharded(merged), test_set, bs),  # exact match, per-skill accuracy, extras
             "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
         }
         if module.hparams.mode == "lora":
@@ -505,15 +534,17 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     t0 = time.time()
     console.quiet()
     plan = plan_run(cfg)  # with ckpt_path=last: refuses a config that changes what the run already trained
-    if cfg.ckpt_path == "last":
-        remove_stale_temporaries(plan.out)  # what a killed atomic save left behind
-    plan.out.mkdir(parents=True, exist_ok=True)
-    saved = cfg.copy()
-    saved.ckpt_path = None  # the run's config; how it was (re)started is the summary's `command`
-    atomic_write_text(plan.out / "config.yaml", OmegaConf.to_yaml(saved, resolve=True))
+    leader = ranks.is_leader()  # a rank > 0 of a distributed run writes nothing (`ranks`)
+    if leader:
+        if cfg.ckpt_path == "last":
+            remove_stale_temporaries(plan.out)  # what a killed atomic save left behind
+        plan.out.mkdir(parents=True, exist_ok=True)
+        saved = cfg.copy()
+        saved.ckpt_path = None  # the run's config; how it was (re)started is the summary's `command`
+        atomic_write_text(plan.out / "config.yaml", OmegaConf.to_yaml(saved, resolve=True))
+        if not (plan.out / "tokenizer").is_dir():
+            atomic_save(plan.tokenizer.save_pretrained, plan.out / "tokenizer")
     torch.set_float32_matmul_precision("high")
-    if not (plan.out / "tokenizer").is_dir():
-        atomic_save(plan.tokenizer.save_pretrained, plan.out / "tokenizer")
 
     background_path = background_stage(cfg, plan)
     timing = {"background_s": time.time() - t0}
@@ -529,7 +560,8 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     summary["timing"] = {k: round(v, 1) for k, v in timing.items()}
     summary["output_dir"] = str(plan.out)
     summary["export"] = str(plan.out / "export") if plan.trained else None
-    atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
-    if cfg.report:
-        summary["report"] = str(write_report(summary, plan.out))
+    if leader:
+        atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
+        if cfg.report:
+            summary["report"] = str(write_report(summary, plan.out))
     return summary
