@@ -329,7 +329,7 @@ class ComposedLM(nn.Module):
 
         Args:
             input_ids: ``[B, T]`` token ids.
-            attention_mask: optional ``[B, T]`` (left padding supported).
+            attention_mask: optional ``[B, T]`` (left or right padding; needed whenever the batch is padded).
             masks: optional bool ``[k, B, T]``; where False that expert's factor is 1 (gated composition).
         """
         background, experts = self.component_logprobs(input_ids, attention_mask)
@@ -383,9 +383,12 @@ class ComposedLM(nn.Module):
         like Hugging Face ``generate`` (position ids from the attention mask, which keeps growing).
 
         Args:
-            input_ids: ``[B, T]`` prompt ids (left-padded for batches of unequal lengths).
-            attention_mask: ``[B, T]``; if None it is inferred like HF does (``input_ids != pad`` when the
-                pad token occurs in the prompt and differs from EOS, else all ones).
+            input_ids: ``[B, T]`` prompt ids. Right-padded rows (a tokenizer's default, e.g. SmolLM2's) are
+                moved to left padding first, so the output is right either way; its prompt part is then
+                left-padded, and the generated tokens are ``output[:, T:]`` in both cases.
+            attention_mask: ``[B, T]``; if None it is inferred: ``input_ids != pad`` when the pad token
+                differs from EOS; when pad = EOS, a leading run of it is padding and a row that *ends* with it
+                is refused (right padding cannot be told from an EOS there: pass the mask).
             max_new_tokens: at most this many tokens are appended.
             do_sample: sample (with ``generator``) instead of taking the argmax.
             temperature, top_k, top_p: sampling warpers (transformers' logits processors) applied to the
@@ -408,7 +411,8 @@ class ComposedLM(nn.Module):
             sequence has emitted EOS or a stop string; finished rows are filled with ``pad_token_id``).
 
         Raises:
-            ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows.
+            ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows;
+                no ``attention_mask`` where pad = EOS and a row ends with that token.
         """
         device = self.device
         input_ids = input_ids.to(device)
@@ -422,6 +426,7 @@ class ComposedLM(nn.Module):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
             )
+        input_ids, attention_mask = _left_aligned(input_ids, attention_mask)
         if gates is None and self.composition == "gated":
             from compose.gating import gates_from_specs
 
@@ -497,12 +502,30 @@ def _position_ids(attention_mask: Tensor) -> Tensor:
 
 
 def _infer_attention_mask(input_ids: Tensor, eos: Tensor | None, pad: Tensor | None) -> Tensor:
+    """The prompt's attention mask when the caller gave none (see :meth:`ComposedLM.generate`)."""
     ones = torch.ones_like(input_ids)
     if pad is None or not bool((input_ids == pad).any()):
         return ones
-    if eos is not None and bool(torch.isin(eos, pad).any()):
-        return ones
-    return input_ids.ne(pad).long()
+    is_pad = input_ids == pad
+    if eos is None or not bool(torch.isin(eos, pad).any()):
+        return (~is_pad).long()
+    # pad = EOS: only a leading run can be padding (a prompt does not start with EOS); a trailing one could be
+    # right padding or a real EOS, and guessing wrong silently changes the output.
+    if bool(is_pad[:, -1].any()):
+        row = int(is_pad[:, -1].nonzero()[0])
+        raise ValueError(
+            f"generate: row {row} of input_ids ends with the pad token {int(pad)}, which is also EOS: right "
+            "padding cannot be told from an EOS without attention_mask; pass attention_mask (or pad on the left)"
+        )
+    return (is_pad.long().cumprod(dim=1) == 0).long()
+
+
+def _left_aligned(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows with padding anywhere but on the left (right padding) moved to left padding, order kept."""
+    if bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all()):
+        return input_ids, attention_mask
+    order = torch.argsort(attention_mask, dim=1, stable=True)  # padding first, then the tokens in order
+    return input_ids.gather(1, order), attention_mask.gather(1, order)
 
 
 def _stop_criteria(stop_strings: Sequence[str] | None, tokenizer, pad: Tensor | None):

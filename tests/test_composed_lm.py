@@ -284,3 +284,53 @@ def test_grouped_lora_fast_path_equals_peft_mixed_batch(monkeypatch):
     torch.testing.assert_close(composed.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
+
+
+# ---------------------------------------------------------------------------------------------- padding
+
+
+def test_right_padding_from_a_right_padding_tokenizer_generates_like_unpadded_rows():
+    """A tokenizer that pads on the right (SmolLM2's default): rows come out as if decoded one by one."""
+    tok = char_tokenizer()
+    tok.padding_side = "right"
+    texts = ["ABCDEFG", "HIJ", "KLMNO"]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert batch["attention_mask"][:, -1].tolist() == [1, 0, 0]  # really right-padded
+    peft_model = tiny_peft("llama")
+    composed = ComposedLM.from_peft(peft_model, ["a", "b"])
+    kw = dict(max_new_tokens=8, eos_token_id=[], pad_token_id=PAD)
+    out = composed.generate(batch["input_ids"], batch["attention_mask"], **kw)
+    width = batch["input_ids"].shape[1]
+    for row, text in enumerate(texts):
+        alone = composed.generate(tok([text], return_tensors="pt")["input_ids"], **kw)
+        assert torch.equal(out[row, width:], alone[0, -8:]), row
+        # the prompt part is the same tokens, now left-padded
+        assert out[row, :width][batch["attention_mask"][row].flip(0).bool()].tolist() == alone[0, :-8].tolist()
+    # score: right-padded rows score their tokens like unpadded ones (causal attention, positions from the mask)
+    scored = composed.score(batch["input_ids"], batch["attention_mask"])
+    for row, text in enumerate(texts):
+        ids = tok([text], return_tensors="pt")["input_ids"]
+        assert torch.allclose(scored[row, : ids.shape[1]], composed.score(ids)[0], atol=1e-5), row
+
+
+def test_missing_attention_mask_where_pad_is_eos():
+    """pad = EOS (SmolLM2): a leading run is left padding; a row ending with it is refused, never guessed."""
+    ids, mask = left_padded_batch()
+    background = tiny_model("llama")
+    composed = ComposedLM(background)
+    kw = dict(max_new_tokens=6, eos_token_id=[], pad_token_id=PAD)
+    ref = composed.generate(ids, mask, **kw)
+    # pad = EOS = PAD, no mask: the leading pads are inferred as padding, the output is the masked one's
+    out = composed.generate(ids, None, max_new_tokens=6, eos_token_id=PAD, pad_token_id=PAD)
+    assert torch.equal(out[:, : ids.shape[1]], ids)
+    with_mask = composed.generate(ids, mask, max_new_tokens=6, eos_token_id=PAD, pad_token_id=PAD)
+    assert torch.equal(out, with_mask)
+    right = ids.clone()
+    right[1] = torch.cat([ids[1, 1:], ids.new_tensor([PAD])])  # row 1 now right-padded
+    with pytest.raises(ValueError, match="row 1 of input_ids ends with the pad token 0, which is also EOS"):
+        composed.generate(right, None, max_new_tokens=6, eos_token_id=PAD, pad_token_id=PAD)
+    # with its mask the same batch is fine, and equals the left-padded batch's new tokens
+    right_mask = mask.clone()
+    right_mask[1] = torch.cat([mask[1, 1:], mask.new_tensor([0])])
+    out = composed.generate(right, right_mask, **kw)
+    assert torch.equal(out[:, ids.shape[1]:], ref[:, ids.shape[1]:])
