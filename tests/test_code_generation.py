@@ -227,3 +227,11 @@ def test_cli_bad_input_is_one_line_exit_2(world, tmp_path, capsys, bad, needle):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_chat_completion_that_closes_the_fence_at_once_stops_there():
+    """The chat prompt ends inside an opened ```python fence, after a newline: a fence right at the start of the
+    completion ends the code (measured on SmolLM2-135M-Instruct: it closes the fence at once, then writes prose)."""
+    stops = CodeGenSettings(chat_template=True).all_stop_strings
+    assert cut_at_stop("```\n\nThis script uses a list comprehension.", stops) == ""
+    assert cut_at_stop("    return x\n```\nprose", stops) == "    return x\n"
