@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tiny_models import random_lora
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, BOS, EOS = 0, 1, 2
@@ -78,16 +78,7 @@ def tiny_llama(vocab: int, seed: int = 0) -> LlamaForCausalLM:
 
 def tiny_lora(vocab: int, names=("a", "b"), seed: int = 0):
     """A PeftModel on ``tiny_llama(vocab, seed)`` with LoRA adapters whose B matrices are random."""
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    model = get_peft_model(tiny_llama(vocab, seed), lora, adapter_name=names[0])
-    for name in names[1:]:
-        model.add_adapter(name, lora)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    return model.eval()
+    return random_lora(tiny_llama(vocab, seed), names, seed, scale=0.5)
 
 
 def write_problems(path: Path, problems=PROBLEMS) -> Path:

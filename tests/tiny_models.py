@@ -38,9 +38,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
     return GPT2LMHeadModel(config).eval()
 
 
-def tiny_peft(arch: str = "llama", names=("a", "b"), seed: int = 0):
-    """A PeftModel with LoRA adapters whose B matrices are random (so experts really differ)."""
-    model = tiny_model(arch, seed)
+def random_lora(model, names=("a", "b"), seed: int = 0, scale: float = 0.3):
+    """`model` under LoRA adapters `names` whose B matrices are random (so experts really differ)."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     peft_model = get_peft_model(model, config, adapter_name=names[0])
     for name in names[1:]:
@@ -49,5 +48,10 @@ def tiny_peft(arch: str = "llama", names=("a", "b"), seed: int = 0):
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
             if "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return peft_model.eval()
+
+
+def tiny_peft(arch: str = "llama", names=("a", "b"), seed: int = 0):
+    """A PeftModel on `tiny_model(arch, seed)` with random LoRA adapters `names`."""
+    return random_lora(tiny_model(arch, seed), names, seed)
