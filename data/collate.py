@@ -11,6 +11,18 @@ from torch import Tensor
 from losses import IGNORE_INDEX
 
 
+CorruptionRate = float | Sequence[float]  # a rate, or (low, high): a rate per row drawn uniformly in that range
+
+
+def corruption_range(rate: CorruptionRate) -> tuple[float, float]:
+    """`(low, high)` of a corruption rate (`Collator`): a number `p` is `(p, p)`; raises `ValueError` on a
+    rate outside [0, 1] or a range that is not `low <= high`."""
+    low, high = (rate, rate) if isinstance(rate, int | float) else tuple(rate) if len(rate) == 2 else (None, None)
+    if low is None or not 0.0 <= float(low) <= float(high) <= 1.0:
+        raise ValueError(f"corruption_prob must be in [0, 1] (a rate, or [low, high] with low <= high), got {rate}")
+    return float(low), float(high)
+
+
 class Collator:
     """Pad task rows (`data.tasks.base`) into a batch, optionally corrupting teacher-forced outputs.
 
@@ -22,25 +34,27 @@ class Collator:
     Prefix corruption: each token of a row's output span (`output_start .. output_start + output_len - 1`)
     is replaced with probability `corruption_prob` by a uniformly drawn *different* token of
     `corruption_ids` (a token outside that set by any token of it), so for outputs drawn from the set
-    `corruption_prob` is exactly the expected fraction of changed tokens. `targets` stay clean. Draws come
+    `corruption_prob` is exactly the expected fraction of changed tokens. A pair `(low, high)` draws each
+    row's rate uniformly in `[low, high]`: light and heavy edit rates in one batch, as a k-way composition
+    writes them (README, "Experts that never met"). `targets` stay clean. Draws come
     from `generator` (default: torch's global RNG, which Lightning's `seed_everything` seeds and DataLoader
     workers reseed per worker).
 
     Args:
         pad_token_id: the id padding `input_ids`.
         corruption_ids: the tokens corruption draws from (letters, or a tokenizer's non-special tokens).
-        corruption_prob: in [0, 1]; 0 disables corruption.
+        corruption_prob: a rate in [0, 1] (0 disables corruption), or `(low, high)` with 0 <= low <= high <= 1:
+            a rate per row, uniform in that range.
         generator: an explicit `torch.Generator` for the draws.
     """
 
-    def __init__(self, pad_token_id: int, corruption_ids: Sequence[int] = (), corruption_prob: float = 0.0,
+    def __init__(self, pad_token_id: int, corruption_ids: Sequence[int] = (), corruption_prob: CorruptionRate = 0.0,
                  generator: torch.Generator | None = None) -> None:
-        if not 0.0 <= corruption_prob <= 1.0:
-            raise ValueError(f"corruption_prob must be in [0, 1], got {corruption_prob}")
-        if corruption_prob > 0 and not corruption_ids:
+        self.low, self.high = corruption_range(corruption_prob)
+        if self.high > 0 and not corruption_ids:
             raise ValueError("prefix corruption needs corruption_ids (the tokens it may write)")
         self.pad_token_id = int(pad_token_id)
-        self.corruption_prob = float(corruption_prob)
+        self.corruption_prob = self.low if self.low == self.high else (self.low, self.high)
         self.generator = generator
         self.corruption_ids = torch.tensor(list(corruption_ids), dtype=torch.long)
         size = int(self.corruption_ids.max()) + 1 if len(self.corruption_ids) else 0
@@ -82,7 +96,7 @@ class Collator:
             except KeyError as err:
                 raise ValueError(f"column {key!r} is missing from some rows of the batch") from err
             batch[key] = torch.as_tensor(values, dtype=torch.float32 if isinstance(value, float) else torch.long)
-        if self.corruption_prob > 0.0:
+        if self.high > 0.0:
             self._corrupt(batch)
         return batch
 
@@ -93,7 +107,10 @@ class Collator:
         pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
         start = batch["output_start"].unsqueeze(1)
         in_output = (pos >= start) & (pos < start + batch["output_len"].unsqueeze(1))
-        chosen = in_output & (torch.rand(input_ids.shape, generator=self.generator) < self.corruption_prob)
+        rate = self.low
+        if self.high > self.low:  # one rate per row
+            rate = self.low + (self.high - self.low) * torch.rand((input_ids.shape[0], 1), generator=self.generator)
+        chosen = in_output & (torch.rand(input_ids.shape, generator=self.generator) < rate)
         ids = input_ids[chosen]
         known = ids < len(self._index)
         current = torch.full_like(ids, -1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from data.collate import CorruptionRate
 from data.sampler import ResumableLoader
 from data.tasks.base import Task
 
@@ -16,7 +17,8 @@ class TaskDataModule(pl.LightningDataModule):
         task: the task supplying rows and the collator.
         rows: which rows: `background` or `experts`.
         batch_size: rows per batch (all loaders).
-        corruption_prob: prefix corruption of training batches (validation and test batches are clean).
+        corruption_prob: prefix corruption of training batches, a rate or `(low, high)` (`data.collate.Collator`;
+            validation and test batches are clean).
         num_workers: DataLoader workers.
         seed: seeds the training order and its corruption (`data.sampler`).
 
@@ -25,7 +27,7 @@ class TaskDataModule(pl.LightningDataModule):
     optimizer steps: one batch each, no gradient accumulation), so a resumed fit starts at the next batch.
     """
 
-    def __init__(self, task: Task, rows: str, batch_size: int = 64, corruption_prob: float = 0.0,
+    def __init__(self, task: Task, rows: str, batch_size: int = 64, corruption_prob: CorruptionRate = 0.0,
                  num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
         if rows not in ("background", "experts"):

@@ -1,9 +1,11 @@
 """Where a finished run's composition is close to failing: the margin decomposition on its test set.
 
-    python scripts/margin_decomposition.py runs/new_k8_s1
+    python scripts/margin_decomposition.py runs/new_k8_s1          # a run folder
+    python scripts/margin_decomposition.py runs/modular_k8_s0/combined   # an export (e.g. compose.combine's)
 
 Loads `<run>/export` and rebuilds the run's compositional test set from `<run>/config.yaml` (the same task,
-experts and seed, so the same inputs as `summary.json`). At every output position held by one expert's mask it
+experts and seed, so the same inputs as `summary.json`); given an export folder, the test set `compose.combine`
+evaluates (the task settings and seed its manifest records). At every output position held by one expert's mask it
 splits the composed log-odds of the rule's letter over the copied source letter into the owner expert's own
 log-odds and the shift the other experts add (`compose.metrics.margin_decomposition`), and prints their
 quantiles. Letter task, generative format; runs that composed with earlier exports are not supported (their
@@ -22,13 +24,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compose import ComposedLM  # noqa: E402
 from compose.metrics import margin_decomposition  # noqa: E402
-from data.tasks import Expert, TaskError, task_class  # noqa: E402
+from data.tasks import Expert, Task, TaskError, task_class  # noqa: E402
 from lightning_modules.pipeline.config import ConfigError, expert_spec, load_config, task_settings  # noqa: E402
 
 QUANTILES = (0.01, 0.05, 0.5)
 
 
-def main(run: Path) -> None:
+def export_task(export: Path) -> tuple[ComposedLM, Task]:
+    """An export's composed model and its task (with every expert in play), as `compose.combine` rebuilds it."""
+    from compose.combine import CombineError, check_exports, load_composed
+
+    try:
+        combination = check_exports([export])
+    except CombineError as e:
+        raise SystemExit(f"{export}: {e}") from None
+    if combination.settings["name"] != "letters" or combination.settings["format"] != "generative":
+        raise SystemExit(f"{export}: only the letter task's generative format has a copied source to compare with")
+    return load_composed(export).eval(), combination.task
+
+
+def run_task(run: Path) -> tuple[ComposedLM, Task]:
+    """A run's exported composed model and its own task (held-out inputs avoid its training rows)."""
     try:
         cfg = load_config([str(run / "config.yaml")])
     except ConfigError as e:
@@ -49,6 +65,11 @@ def main(run: Path) -> None:
     if list(model.names) != task.expert_names or model.tokenizer.get_vocab() != task.tokenizer.get_vocab():
         raise SystemExit(f"{run}: the export (experts {model.names}) does not match config.yaml "
                          f"(experts {task.expert_names}, task.alphabet={cfg.task.alphabet})")
+    return model, task
+
+
+def main(run: Path) -> None:
+    model, task = export_task(run) if (run / "composition.yaml").is_file() else run_task(run)
     rows = task.compositional_dataset("test")
     batch = task.collator()(list(rows))
     ids, targets = batch["input_ids"], batch["targets"]
@@ -68,7 +89,7 @@ def main(run: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run", type=Path, help="a finished run's output_dir (config.yaml, export/)")
+    parser.add_argument("run", type=Path, help="a finished run's output_dir (config.yaml, export/), or an export")
     args = parser.parse_args()
     torch.set_num_threads(1)
     main(args.run)

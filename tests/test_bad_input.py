@@ -49,6 +49,8 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("reg_weight=nan", ["expert.reg_weight=nan"], {}, ["expert.reg_weight=nan", "finite number >= 0"]),
     ("jsd_beta>1", ["expert.jsd_beta=2"], {}, ["expert.jsd_beta=2.0", "[0, 1]"]),
     ("corruption>1", ["expert.corruption_prob=1.5"], {}, ["expert.corruption_prob=1.5", "[0, 1]"]),
+    ("corruption range reversed", ["expert.corruption_prob=[0.5,0.2]"], {},
+     ["expert.corruption_prob=[0.5, 0.2]", "[low, high]"]),
     ("weight=nan", ["experts.0.weight=nan"], {}, ["experts[0].weight=nan", "finite number"]),
     ("val_check_interval=0", ["trainer.val_check_interval=0"], {}, ["trainer.val_check_interval=0", ">= 1"]),
     ("limit_val_batches>1", ["trainer.limit_val_batches=1.5"], {}, ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),

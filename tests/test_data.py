@@ -24,6 +24,7 @@ from data.tasks.letters import (
     decode_outputs,
     expert_inputs,
     prompt_batch,
+    random_rule_outputs,
     sample_strings,
     validate_rule_sets,
 )
@@ -307,6 +308,25 @@ def test_corruption_changes_only_output_letters_at_the_rate(tok):
     assert torch.equal(first, noisy["input_ids"]) and not torch.equal(first, second)
 
 
+def test_corruption_range_draws_a_rate_per_row(tok):
+    """`(low, high)`: each row's edit rate is uniform in the range, so one batch holds light and heavy edits."""
+    xs = sample_strings(2000, ALPHABET, 16, 16, seed=2)
+    rows = list(build_letters_dataset(xs, [AB], [AB], tok))
+    clean = letters_collator(tok)(rows)
+    noisy = letters_collator(tok, (0.0, 0.8), generator=torch.Generator().manual_seed(0))(rows)
+    output = output_positions(clean)
+    changed = (noisy["input_ids"] != clean["input_ids"]) & output
+    per_row = changed.sum(1).float() / output.sum(1)
+    assert not ((noisy["input_ids"] != clean["input_ids"]) & ~output).any()
+    assert abs(per_row.mean().item() - 0.4) < 0.02  # the mean of U(0, 0.8)
+    assert (per_row < 0.1).float().mean() > 0.08 and (per_row > 0.7).float().mean() > 0.08  # both ends occur
+    assert abs(per_row.std().item() - 0.8 / 12 ** 0.5) < 0.03  # far wider than one rate's binomial spread
+    assert letters_collator(tok, (0.3, 0.3)).corruption_prob == 0.3
+    for bad in ((0.5, 0.2), (0.0, 1.5), (0.1, 0.2, 0.3)):
+        with pytest.raises(ValueError, match=r"corruption_prob must be in \[0, 1\]"):
+            letters_collator(tok, bad)
+
+
 def test_corruption_replaces_tokens_outside_the_set_by_tokens_of_it(tok):
     """Output tokens outside `corruption_ids` (other letters, a tokenizer's special tokens) are replaced by a
     token of the set; tokens of the set by a *different* one (it used to be an error)."""
@@ -359,7 +379,8 @@ def test_task_settings_and_construction_errors():
     with pytest.raises(TaskError, match="task.alphabet: .*repeats the character 'A'"):
         LettersConfig(alphabet="ABA")
     cfg = LettersConfig(**SMALL)
-    with pytest.raises(TaskError, match=r"reg_data='kl' is not one of own, background, composition, own\+background"):
+    with pytest.raises(TaskError, match=r"reg_data='kl' is not one of own, background, composition, own\+background, "
+                                        "random_rules"):
         LettersTask(cfg, [expert(AB)], reg_data="kl")
     with pytest.raises(TaskError, match=r"trained experts \['ef'\] are not among the experts in play \['ab', 'cd'\]"):
         LettersTask(cfg, [expert(AB), expert(CD)], trained=["ef"])
@@ -452,6 +473,36 @@ def test_expert_rows_and_batches(tok):
     assert not val_x & (test_x | comp_val | comp_test) and not comp_val & (test_x | comp_test)
     with pytest.raises(ValueError, match="split must be one of"):
         task.compositional_dataset("train")
+
+
+def test_random_rule_rows_edit_other_letters_consistently_and_know_no_other_expert(tok):
+    """`reg_data=random_rules`: each expert's extra rows hold its own source, its own rule on its mask (task loss
+    there) and, off it, random rules drawn per row (one target per letter within a row, edit rates from none to
+    all); no other expert's rule decides them: the rows of `ab` are the same whoever else is in play."""
+    xs = sample_strings(400, ALPHABET, 8, 16, seed=3)
+    ys = random_rule_outputs(xs, AB, ALPHABET, seed=0)
+    assert ys == random_rule_outputs(xs, AB, ALPHABET, seed=0) != random_rule_outputs(xs, AB, ALPHABET, seed=1)
+    rates = []
+    for x, y in zip(xs, ys, strict=True):
+        assert all(b == "B" for a, b in zip(x, y, strict=True) if a == "A")  # its own rule, always
+        mapping = {}
+        for a, b in zip(x, y, strict=True):
+            assert mapping.setdefault(a, b) == b  # a rule: one output per letter within a row
+        others = [a for a in x if a != "A"]
+        rates.append(sum(mapping[a] != a for a in others) / max(len(others), 1))
+    assert min(rates) < 0.1 and max(rates) > 0.9 and 0.35 < sum(rates) / len(rates) < 0.65
+
+    alone = LettersTask(LettersConfig(**SMALL), [expert(AB)], reg_data="random_rules")
+    with_others = LettersTask(LettersConfig(**SMALL), [expert(AB), expert(CD)], reg_data="random_rules")
+    rows = alone.expert_dataset("train").filter(lambda r: r["is_task"] == 0)
+    assert len(rows) == 240 and set(rows["task_on_mask"]) == {1} and all("A" in x for x in rows["x"])
+    theirs = with_others.expert_dataset("train").filter(lambda r: r["is_task"] == 0 and r["expert_index"] == 0)
+    assert rows["y"] == theirs["y"] and rows["input_ids"] == theirs["input_ids"]
+    batch = alone.collator()(list(rows.select(range(8))))  # task loss on its own mask only (task_on_mask, not is_task)
+    assert batch["is_task"].tolist() == [0] * 8 and batch["task_on_mask"].tolist() == [1] * 8
+    assert set(batch["targets"][batch["masks"][:, 0]].tolist()) == {tok.convert_tokens_to_ids("B")}
+    with pytest.raises(TaskError, match="aligned format has none"):
+        LettersTask(LettersConfig(**SMALL, format="aligned"), [expert(AB)], reg_data="random_rules")
 
 
 def test_composition_with_experts_trained_elsewhere(tok):

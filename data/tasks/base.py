@@ -30,10 +30,11 @@ from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     from compose import ComposedLM
+    from data.collate import CorruptionRate
 
 SPLITS = ("train", "val", "test")
 EVAL_SPLITS = ("val", "test")
-REG_DATA_CHOICES = ("own", "background", "composition", "own+background")
+REG_DATA_CHOICES = ("own", "background", "composition", "own+background", "random_rules")
 
 
 # Column types of task rows (the contract above); expert rows add EXPERT_FEATURES.
@@ -167,8 +168,9 @@ class Task(ABC):
         reference, `masks` has one row per expert in play, and `x`/`y` hold the input and reference text."""
 
     @abstractmethod
-    def collator(self, corruption_prob: float = 0.0) -> Callable[[list[dict]], dict[str, Tensor]]:
-        """Pads rows into a batch (`data.collate.Collator`), corrupting prefixes at `corruption_prob`."""
+    def collator(self, corruption_prob: CorruptionRate = 0.0) -> Callable[[list[dict]], dict[str, Tensor]]:
+        """Pads rows into a batch (`data.collate.Collator`), corrupting prefixes at `corruption_prob` (a rate
+        or `(low, high)`, a rate per row)."""
 
     @abstractmethod
     def evaluate_background(self, model: ComposedLM, split: str, batch_size: int) -> dict[str, float]:

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from compose.metrics import ExactMatch, FailureTypes
-from data.collate import Collator
+from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
 from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
@@ -232,6 +232,9 @@ class IntervalsTask(Task):
 
     def __init__(self, cfg: IntervalsConfig, experts: Sequence[Expert], **kwargs) -> None:
         super().__init__(cfg, experts, **kwargs)
+        if self.reg_data == "random_rules":
+            raise TaskError("expert.reg_data=random_rules is a letter-task recipe (random rules on other letters); "
+                            "use own, background, own+background or composition here")
         tokenizer = kwargs.get("tokenizer")
         self.kinds = [_kind(e, cfg) for e in self.experts]
         _check_experts(self.kinds, cfg, self.allow_overlap)
@@ -262,7 +265,7 @@ class IntervalsTask(Task):
                             f"skills); ablation_ks asked for k={k}")
         return list(chosen.values())[:k]
 
-    def collator(self, corruption_prob: float = 0.0) -> Callable[[list[dict]], dict]:
+    def collator(self, corruption_prob: CorruptionRate = 0.0) -> Callable[[list[dict]], dict]:
         """Pads rows; corruption replaces output letters (plain and case variants) by other letters and
         never touches a delimiter, so it cannot change the interval structure of a prefix."""
         letters = [self._vocab[c] for c in self.letters]
@@ -456,9 +459,9 @@ class _LettersOnlyCollator:
     `corruption_prob` (by other letters), delimiters never."""
 
     def __init__(self, pad_token_id: int, letter_ids: Sequence[int], protected_ids: Sequence[int],
-                 corruption_prob: float) -> None:
+                 corruption_prob: CorruptionRate) -> None:
         self.corrupting = Collator(pad_token_id, letter_ids, corruption_prob)
-        self.clean = Collator(pad_token_id) if corruption_prob > 0 else None
+        self.clean = Collator(pad_token_id) if self.corrupting.high > 0 else None
         self.protected = torch.tensor(list(protected_ids), dtype=torch.long)
 
     def __call__(self, rows: list[dict]) -> dict:

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
-from data.collate import Collator
+from data.collate import Collator, CorruptionRate
 from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
 from data.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from data.splits import derive_seed
@@ -340,9 +340,9 @@ class TextTask(Task):
     def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
                  **kwargs: Any) -> None:
         super().__init__(cfg, experts, tokenizer=tokenizer, **kwargs)
-        if self.reg_data == "composition":
-            raise TaskError("expert.reg_data=composition needs rows composed from every expert's skill (co-training);"
-                            " the text task has none: use own, background or own+background")
+        if self.reg_data in ("composition", "random_rules"):
+            raise TaskError(f"expert.reg_data={self.reg_data} needs rows rewritten by skills (every expert's, or "
+                            "random letter rules); the text task has none: use own, background or own+background")
         for key in ("general", "compositional"):
             if not getattr(cfg, key):
                 raise TaskError(f"task.{key} is empty: give at least one data file")
@@ -498,7 +498,7 @@ class TextTask(Task):
         special = set(self._tokenizer.all_special_ids)
         return sorted(i for i in self._tokenizer.get_vocab().values() if i not in special)
 
-    def collator(self, corruption_prob: float = 0.0) -> Collator:
+    def collator(self, corruption_prob: CorruptionRate = 0.0) -> Collator:
         return Collator(self.pad, self.corruption_ids, corruption_prob)
 
     def background_dataset(self, split: str) -> datasets.Dataset:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.tasks import Task, TaskError
 from lightning_modules.pipeline import ranks
+from lightning_modules.pipeline.config import corruption_rate
 
 # variant -> (what it shows, overrides). Variants that drop the regularizer also drop the compositional
 # rows (`reg_data=own`): without it they would still carry a task loss on composed prefixes.
@@ -109,4 +110,6 @@ def _run_or_resume(sub: DictConfig, resuming: bool, run: RunFn) -> dict:
 
 def _background_key(cfg: DictConfig) -> str:
     b = cfg.background
-    return f"rho{b.corruption_prob:g}_steps{b.max_steps}"
+    rate = corruption_rate(b.corruption_prob)
+    rho = "-".join(f"{r:g}" for r in rate) if isinstance(rate, tuple) else f"{rate:g}"
+    return f"rho{rho}_steps{b.max_steps}"

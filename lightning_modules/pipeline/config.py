@@ -68,7 +68,8 @@ class BackgroundConfig:
     path: str | None = None
     max_steps: int = 600
     # Prefix corruption ρ (METHOD.md §5): teacher-forced output letters replaced at random, targets clean.
-    corruption_prob: float = 0.2
+    # A number, or [low, high]: each row's rate drawn uniformly in that range (`data.collate.Collator`).
+    corruption_prob: Any = 0.2
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -112,13 +113,15 @@ class ExpertTrainingConfig:
     mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies) | head (output layer only)
     lora: LoraSettings = field(default_factory=LoraSettings)
     max_steps: int = 150
-    corruption_prob: float = 0.2
+    corruption_prob: Any = 0.2  # a number, or [low, high] (a rate per row), as background.corruption_prob
     # The off-mask regularizer of METHOD.md §4: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
     reg_weight: float = 3.0
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | log_ratio
     jsd_beta: float = 0.5
     temperature: float = 3.0  # the divergence compares p_b and p_i at this softmax temperature
-    reg_data: str = "composition"  # own | background | composition (own rows + composed prefixes) | own+background
+    # own | background | composition (own rows + composed prefixes: co-training) | own+background |
+    # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert)
+    reg_data: str = "composition"
     task_loss_on_mask_only: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -176,7 +179,7 @@ CHOICES = {
     "model.arch": ("llama", "gpt2"),
     "expert.mode": ("lora", "full", "head"),
     "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
-    "expert.reg_data": ("own", "background", "composition", "own+background"),
+    "expert.reg_data": ("own", "background", "composition", "own+background", "random_rules"),  # data.tasks.REG_DATA_CHOICES
     "model.dtype": (None, "auto", "float32", "bfloat16", "float16"),
     "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
@@ -341,8 +344,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "expert.reg_weight": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "expert.temperature": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "expert.jsd_beta": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "background.corruption_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "expert.corruption_prob": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "background.corruption_prob": (lambda v: _rate_ok(v), "a number in [0, 1] or [low, high] within it"),
+    "expert.corruption_prob": (lambda v: _rate_ok(v), "a number in [0, 1] or [low, high] within it"),
     "composition.active_threshold": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "composition.eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "composition.val_limit": (lambda v: v is None or (_int(v) and v >= 1), "null (all) or an integer >= 1"),
@@ -358,6 +361,17 @@ for _stage in ("background", "expert"):
     RANGES[f"{_stage}.optim.lr"] = (lambda v: _number(v) and v > 0, "a finite number > 0")
     RANGES[f"{_stage}.optim.weight_decay"] = (lambda v: _number(v) and v >= 0, "a finite number >= 0")
     RANGES[f"{_stage}.optim.warmup_ratio"] = (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]")
+
+
+def _rate_ok(value: Any) -> bool:
+    if isinstance(value, ListConfig | list | tuple):
+        return len(value) == 2 and all(_number(v) for v in value) and 0 <= value[0] <= value[1] <= 1
+    return _number(value) and 0 <= value <= 1
+
+
+def corruption_rate(value: Any) -> float | tuple[float, float]:
+    """A validated `corruption_prob` as `data.collate.Collator` takes it: a number, or `(low, high)`."""
+    return (float(value[0]), float(value[1])) if isinstance(value, ListConfig | list | tuple) else float(value)
 
 
 def _devices_ok(value: Any) -> bool:

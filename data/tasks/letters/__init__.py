@@ -10,6 +10,7 @@ from data.tasks.letters.rules import (
     decode_outputs,
     expert_inputs,
     prompt_batch,
+    random_rule_outputs,
     sample_strings,
     validate_rule_sets,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "expert_inputs",
     "greedy_outputs",
     "prompt_batch",
+    "random_rule_outputs",
     "sample_strings",
     "validate_rule_sets",
 ]

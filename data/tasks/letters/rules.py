@@ -259,6 +259,23 @@ def compositional_inputs(
     return out
 
 
+def random_rule_outputs(xs: Sequence[str], own: RuleSet, alphabet: str, seed: int) -> list[str]:
+    """Each input with ``own``'s rules applied and, per row, *random rules* on every other letter: a rate
+    ``q ~ U(0, 1)`` is drawn for the row, and each letter outside ``own``'s sources is rewritten (everywhere in
+    the row, position-wise, like another expert's rule) with probability ``q`` to a uniformly drawn different
+    letter. These are the prefixes a composition with unknown experts writes, drawn without knowing any of
+    them: light and heavy edit rates, consistent within a row. Deterministic given ``seed``."""
+    validate_alphabet(alphabet)
+    rng = random.Random(seed)
+    others = [ch for ch in alphabet if ch not in own.sources]
+    out = []
+    for x in xs:
+        q = rng.random()
+        rules = {ch: rng.choice([t for t in alphabet if t != ch]) for ch in others if rng.random() < q}
+        out.append("".join(own.rules.get(ch) or rules.get(ch, ch) for ch in x))
+    return out
+
+
 def _special_id(tokenizer: PreTrainedTokenizerBase, attr: str) -> int:
     value = getattr(tokenizer, attr, None)
     if value is None:
@@ -299,13 +316,15 @@ _RowLayout = Callable[[str, str], tuple[list[int], list[int], list[list[int]], i
 
 
 def _encode_dataset(xs: list[str], merged: Mapping[str, str], extra: dict[str, Any],
-                    layout: _RowLayout) -> datasets.Dataset:
-    """Map ``xs`` through ``layout`` into a ``datasets.Dataset`` with the letter-task columns."""
+                    layout: _RowLayout, ys: list[str] | None = None) -> datasets.Dataset:
+    """Map ``xs`` through ``layout`` into a ``datasets.Dataset`` with the letter-task columns (``y`` from
+    ``merged``, or ``ys`` as given)."""
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {c: [] for c in _BASE_COLUMNS[1:]}
-        for x in batch["x"]:
-            y = "".join(merged.get(ch, ch) for ch in x)
+        given = batch.get("y")
+        for i, x in enumerate(batch["x"]):
+            y = given[i] if given is not None else "".join(merged.get(ch, ch) for ch in x)
             input_ids, targets, masks, output_start = layout(x, y)
             for key, value in zip(
                 _BASE_COLUMNS[1:], (y, input_ids, targets, masks, output_start, len(x)), strict=True
@@ -324,7 +343,8 @@ def _encode_dataset(xs: list[str], merged: Mapping[str, str], extra: dict[str, A
             },
         }
     )
-    base = datasets.Dataset.from_dict({"x": xs}, features=datasets.Features({"x": datasets.Value("string")}))
+    columns = {"x": xs} if ys is None else {"x": xs, "y": ys}
+    base = datasets.Dataset.from_dict(columns, features=datasets.Features({c: datasets.Value("string") for c in columns}))
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -340,6 +360,7 @@ def build_letters_dataset(
     mask_rule_sets: Sequence[RuleSet],
     tokenizer: PreTrainedTokenizerBase,
     extra_columns: dict[str, Any] | None = None,
+    ys: Sequence[str] | None = None,
 ) -> datasets.Dataset:
     """Tokenize inputs into a ``datasets.Dataset`` of the letter task (generative format).
 
@@ -350,6 +371,8 @@ def build_letters_dataset(
         tokenizer: a character tokenizer with ``bos/sep/eos`` tokens (see ``build_char_tokenizer``).
         extra_columns: constant integer (or float) columns added to every row, e.g.
             ``{"expert_index": 1, "is_task": 1}``.
+        ys: the outputs, one per input (same lengths, letters of the tokenizer), instead of
+            ``target_rule_sets`` (e.g. :func:`random_rule_outputs`, rules that differ per row).
 
     Returns:
         Columns ``x``, ``y``, ``input_ids``, ``targets`` (already shifted, ``-100`` off the output),
@@ -363,6 +386,11 @@ def build_letters_dataset(
     vocab = _letter_vocab(tokenizer)
     merged = combined_rules(target_rule_sets)
     _check_inputs(xs, merged, vocab)
+    if ys is not None:
+        ys = list(ys)
+        _check_inputs(ys, {}, vocab)
+        if len(ys) != len(xs) or any(len(x) != len(y) for x, y in zip(xs, ys, strict=True)):
+            raise ValueError("ys must hold one output per input, each as long as its input")
     mask_sources = [set(rs.sources) for rs in mask_rule_sets]
 
     def layout(x: str, y: str) -> tuple[list[int], list[int], list[list[int]], int]:
@@ -379,7 +407,7 @@ def build_letters_dataset(
             masks.append(row)
         return input_ids, targets, masks, n + 2
 
-    return _encode_dataset(xs, merged, extra, layout)
+    return _encode_dataset(xs, merged, extra, layout, ys)
 
 
 def build_aligned_dataset(
@@ -414,6 +442,11 @@ def build_aligned_dataset(
     vocab = _letter_vocab(tokenizer)
     merged = combined_rules(target_rule_sets)
     _check_inputs(xs, merged, vocab)
+    if ys is not None:
+        ys = list(ys)
+        _check_inputs(ys, {}, vocab)
+        if len(ys) != len(xs) or any(len(x) != len(y) for x, y in zip(xs, ys, strict=True)):
+            raise ValueError("ys must hold one output per input, each as long as its input")
     mask_sources = [set(rs.sources) for rs in mask_rule_sets]
 
     def layout(x: str, y: str) -> tuple[list[int], list[int], list[list[int]], int]:

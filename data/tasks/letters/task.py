@@ -18,7 +18,7 @@ import datasets
 import torch
 
 from compose.metrics import ExactMatch, FailureTypes, SkillAccuracy
-from data.collate import Collator
+from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
 from data.splits import derive_seed, draw_excluding
 from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split_sizes
@@ -30,6 +30,7 @@ from data.tasks.letters.rules import (
     dataset_builder,
     expert_inputs,
     prompt_ids,
+    random_rule_outputs,
     sample_strings,
     validate_rule_sets,
 )
@@ -92,6 +93,8 @@ class LettersTask(Task):
 
     def __init__(self, cfg: LettersConfig, experts: Sequence[Expert], **kwargs) -> None:
         super().__init__(cfg, experts, **kwargs)
+        if self.reg_data == "random_rules" and cfg.format == "aligned":
+            raise TaskError("expert.reg_data=random_rules edits teacher-forced prefixes; the aligned format has none")
         rule_sets = []
         for e in self.experts:
             if "rules" not in e.spec or set(e.spec) != {"rules"}:
@@ -136,7 +139,7 @@ class LettersTask(Task):
         return [{"name": f"{alphabet[2 * i]}_to_{alphabet[2 * i + 1]}", "rules": {alphabet[2 * i]: alphabet[2 * i + 1]}}
                 for i in range(k)]
 
-    def collator(self, corruption_prob: float = 0.0) -> Collator:
+    def collator(self, corruption_prob: CorruptionRate = 0.0) -> Collator:
         # Aligned rows have no teacher-forced outputs: their output span is the input x itself.
         prob = 0.0 if self.cfg.format == "aligned" else corruption_prob
         return Collator(self._tokenizer.pad_token_id, letter_ids(self._tokenizer, self.cfg.alphabet), prob)
@@ -205,6 +208,11 @@ class LettersTask(Task):
         if self.reg_data == "composition":
             xs = self._compositional_maker(n, derive_seed(self.seed, "regularizer-composition", rs.name))(0)
             return [self._build(xs, self.rule_sets, [rs], self._tokenizer, {**extra, "task_on_mask": 1})]
+        if self.reg_data == "random_rules":  # the composition's kind of prefix, knowing no other expert
+            c, seed = self.cfg, derive_seed(self.seed, "regularizer-random-rules", rs.name)
+            xs = expert_inputs(n, c.alphabet, c.min_len, c.max_len, seed, rs, source_prob=1.0)
+            ys = random_rule_outputs(xs, rs, c.alphabet, derive_seed(seed, "rules"))
+            return [self._build(xs, [rs], [rs], self._tokenizer, {**extra, "task_on_mask": 1}, ys=ys)]
         return []
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:

@@ -1,0 +1,123 @@
+"""Experts that never met: train each expert of a config in its own run and process, then compose the exports.
+
+    python scripts/train_separately.py configs/experiment/letters_k8.yaml --out runs/modular_k8_s0 seed=0 \
+        [--subsets 2,4 --draws 3] [--late "{name: Q_to_R, rules: {Q: R}}" --late_seed 100] [KEY=VALUE ...]
+
+1. The first expert's run trains the background (`python train.py CONFIG experts=[<first>] output_dir=OUT/runs/
+   <first>`); every other expert gets a run of its own that loads it (`background.path=OUT/runs/<first>/
+   background`). Each run sees only the background, its own rule and the config's data settings: no
+   `compose_with`, no other expert's rules (`expert.reg_data=composition` is refused: it would apply them).
+2. `compose.combine` checks the exports fit together and evaluates their composition on the task's compositional
+   test set; the combined export is written to `OUT/combined`.
+3. `--subsets 2,4`: `--draws` random subsets of each size (seeded by the seed), each composed and evaluated.
+4. `--late SPEC`: an expert trained afterwards, in a new run with `seed=--late_seed`, joins the combined
+   export (`OUT/combined_late`), as an expert trained a week later would.
+
+Runs that finished (their `summary.json` exists) are not trained again, so an interrupted call resumes. Prints a
+table and writes `OUT/separate.json`: each expert alone (exact match on its own test rows), and every
+composition's exact match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def expert_node(spec: dict) -> str:
+    """An expert as a one-item `experts=[...]` override."""
+    return "experts=[" + yaml.safe_dump(spec, default_flow_style=True, width=10**6).strip() + "]"
+
+
+def train_one(config: str, overrides: list[str], spec: dict, out: Path, background: Path | None,
+              seed: int | None = None) -> dict:
+    """One expert, one run, one process; returns its `summary.json`."""
+    summary = out / "summary.json"
+    if not summary.is_file():
+        cmd = [sys.executable, str(ROOT / "train.py"), config, *overrides, expert_node(spec), f"output_dir={out}",
+               "ablations=[]", "baselines=[]", "composition.compose_with=[]"]
+        if background is not None:
+            cmd.append(f"background.path={background}")
+        if seed is not None:
+            cmd.append(f"seed={seed}")
+        print(f"[separately] {spec['name']}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(summary.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="a train.py config whose `experts` are trained one per run")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the runs, exports and results")
+    parser.add_argument("--subsets", default="", help="comma-separated subset sizes to compose as well")
+    parser.add_argument("--draws", type=int, default=3, help="random subsets per size")
+    parser.add_argument("--late", default=None, help="an expert (YAML mapping) trained afterwards that joins")
+    parser.add_argument("--late_seed", type=int, default=None, help="its run's seed (default: the seed + 1000)")
+    parser.add_argument("--limit", type=int, default=None, help="compositional test rows to evaluate (default all)")
+    args, overrides = parser.parse_known_args(argv)
+
+    from compose.combine import combine_exports
+    from lightning_modules.pipeline.config import ConfigError, load_config
+
+    try:
+        cfg = load_config([args.config, *overrides])
+    except ConfigError as e:
+        raise SystemExit(f"train_separately: {e}") from None
+    if cfg.expert.reg_data == "composition":
+        raise SystemExit("train_separately: expert.reg_data=composition applies every expert's rules to each "
+                         "expert's rows; experts trained separately must not see them (use own, background or "
+                         "own+background)")
+    from omegaconf import OmegaConf
+
+    specs = [{k: v for k, v in OmegaConf.to_container(e).items() if v not in (None, [])} for e in cfg.experts]
+    runs = args.out / "runs"
+    first = runs / specs[0]["name"]
+    summaries = {}
+    for spec in specs:
+        out = runs / spec["name"]
+        summaries[spec["name"]] = train_one(args.config, overrides, spec, out,
+                                            None if out == first else first / "background")
+    exports = {name: runs / name / "export" for name in summaries}
+    results: dict = {"config": args.config, "overrides": overrides, "seed": cfg.seed,
+                     "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}, "compositions": []}
+
+    def compose(names: list[str], paths: list[Path], out: Path | None = None) -> float:
+        kwargs = {"overwrite": True} if out is not None else {}
+        r = combine_exports(paths, out, limit=args.limit, **kwargs)
+        em = r["metrics"]["exact_match"]
+        results["compositions"].append({"experts": names, "k": len(names), "exact_match": em, "n_test": r["n_test"]})
+        print(f"[separately] k={len(names)} {'+'.join(names)}: exact_match={em:.4f} (n={r['n_test']})", flush=True)
+        return em
+
+    combined = args.out / "combined"
+    compose(list(exports), list(exports.values()), combined)
+    rng = random.Random(cfg.seed)
+    for size in [int(s) for s in args.subsets.split(",") if s]:
+        for _ in range(args.draws):
+            names = sorted(rng.sample(list(exports), size), key=list(exports).index)
+            compose(names, [exports[n] for n in names])
+    if args.late:
+        spec = yaml.safe_load(args.late)
+        late_seed = cfg.seed + 1000 if args.late_seed is None else args.late_seed
+        s = train_one(args.config, overrides, spec, runs / spec["name"], first / "background", late_seed)
+        results["alone"][spec["name"]] = s["experts"][spec["name"]]["exact_match"]
+        results["late"] = {"name": spec["name"], "seed": late_seed}
+        compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late")
+    (args.out / "separate.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"[separately] alone: " + ", ".join(f"{n} {v:.4f}" for n, v in results["alone"].items()))
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
