@@ -65,12 +65,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--late_seed", type=int, default=None, help="its run's seed (default: the seed + 1000)")
     parser.add_argument("--limit", type=int, default=None, help="compositional test rows to evaluate (default all)")
     args, overrides = parser.parse_known_args(argv)
+    if any("=" not in o for o in overrides):
+        parser.error(f"unrecognized arguments: {' '.join(o for o in overrides if '=' not in o)} (overrides are KEY=VALUE)")
 
     from compose.combine import combine_exports
     from lightning_modules.pipeline.config import ConfigError, load_config
 
     try:
-        cfg = load_config([args.config, *overrides])
+        cfg = load_config([args.config], overrides, base=ROOT / "configs" / "default.yaml")
     except ConfigError as e:
         raise SystemExit(f"train_separately: {e}") from None
     if cfg.expert.reg_data == "composition":

@@ -38,6 +38,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
                   ["expert.divergence=log_ratio", "expert.temperature=1", "expert.reg_weight=1"]),
     "background_data": ("regularizer on background (copy) data instead of composed prefixes",
                         ["expert.reg_data=own+background"]),
+    "random_rules": ("modular: prefixes rewritten by random rules drawn per row, no other expert's rules",
+                     ["expert.reg_data=random_rules"]),
 }
 
 RunFn = Callable[[DictConfig], dict]

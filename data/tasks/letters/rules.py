@@ -260,17 +260,18 @@ def compositional_inputs(
 
 
 def random_rule_outputs(xs: Sequence[str], own: RuleSet, alphabet: str, seed: int) -> list[str]:
-    """Each input with ``own``'s rules applied and, per row, *random rules* on every other letter: a rate
-    ``q ~ U(0, 1)`` is drawn for the row, and each letter outside ``own``'s sources is rewritten (everywhere in
-    the row, position-wise, like another expert's rule) with probability ``q`` to a uniformly drawn different
-    letter. These are the prefixes a composition with unknown experts writes, drawn without knowing any of
-    them: light and heavy edit rates, consistent within a row. Deterministic given ``seed``."""
+    """Each input with ``own``'s rules applied and, per row, *random rules* on every other letter: a rate ``q``
+    is drawn for the row (density ``2q`` on [0, 1]: heavy rates are common, as in a k-way composition of short
+    inputs, where every letter may be some expert's source), and each letter outside ``own``'s sources is
+    rewritten (everywhere in the row, position-wise, like another expert's rule) with probability ``q`` to a
+    uniformly drawn different letter. These are the prefixes a composition with unknown experts writes, drawn
+    without knowing any of them, consistent within a row. Deterministic given ``seed``."""
     validate_alphabet(alphabet)
     rng = random.Random(seed)
     others = [ch for ch in alphabet if ch not in own.sources]
     out = []
     for x in xs:
-        q = rng.random()
+        q = rng.random() ** 0.5
         rules = {ch: rng.choice([t for t in alphabet if t != ch]) for ch in others if rng.random() < q}
         out.append("".join(own.rules.get(ch) or rules.get(ch, ch) for ch in x))
     return out
