@@ -501,6 +501,8 @@ def test_random_rule_rows_edit_other_letters_consistently_and_know_no_other_expe
     batch = alone.collator()(list(rows.select(range(8))))  # task loss on its own mask only (task_on_mask, not is_task)
     assert batch["is_task"].tolist() == [0] * 8 and batch["task_on_mask"].tolist() == [1] * 8
     assert set(batch["targets"][batch["masks"][:, 0]].tolist()) == {tok.convert_tokens_to_ids("B")}
+    with pytest.raises(ValueError, match="ys must hold one output per input"):
+        build_letters_dataset(["AB"], [], [AB], tok, ys=["ABC"])
     with pytest.raises(TaskError, match="aligned format has none"):
         LettersTask(LettersConfig(**SMALL, format="aligned"), [expert(AB)], reg_data="random_rules")
 
