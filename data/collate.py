@@ -10,7 +10,6 @@ from torch import Tensor
 
 from losses import IGNORE_INDEX
 
-
 CorruptionRate = float | Sequence[float]  # a rate, or (low, high): a rate per row drawn uniformly in that range
 
 

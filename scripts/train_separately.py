@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["late"] = {"name": spec["name"], "seed": late_seed}
         compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late")
     (args.out / "separate.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"[separately] alone: " + ", ".join(f"{n} {v:.4f}" for n, v in results["alone"].items()))
+    print("[separately] alone: " + ", ".join(f"{n} {v:.4f}" for n, v in results["alone"].items()))
     return results
 
 
