@@ -14,12 +14,13 @@ CorruptionRate = float | Sequence[float]  # a rate, or (low, high): a rate per r
 
 
 def corruption_range(rate: CorruptionRate) -> tuple[float, float]:
-    """`(low, high)` of a corruption rate (`Collator`): a number `p` is `(p, p)`; raises `ValueError` on a
-    rate outside [0, 1] or a range that is not `low <= high`."""
-    low, high = (rate, rate) if isinstance(rate, int | float) else tuple(rate) if len(rate) == 2 else (None, None)
-    if low is None or not 0.0 <= float(low) <= float(high) <= 1.0:
+    """`(low, high)` of a corruption rate (`Collator`): a number `p` is `(p, p)`. Raises `ValueError` unless it is a
+    number in [0, 1] or a pair with 0 <= low <= high <= 1 (a config's `[low, high]` list included)."""
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
+    pair = (rate, rate) if number(rate) else tuple(rate) if isinstance(rate, Sequence) and not isinstance(rate, str) else ()
+    if len(pair) != 2 or not all(map(number, pair)) or not 0.0 <= pair[0] <= pair[1] <= 1.0:
         raise ValueError(f"corruption_prob must be in [0, 1] (a rate, or [low, high] with low <= high), got {rate}")
-    return float(low), float(high)
+    return float(pair[0]), float(pair[1])
 
 
 class Collator:
@@ -53,12 +54,16 @@ class Collator:
         if self.high > 0 and not corruption_ids:
             raise ValueError("prefix corruption needs corruption_ids (the tokens it may write)")
         self.pad_token_id = int(pad_token_id)
-        self.corruption_prob = self.low if self.low == self.high else (self.low, self.high)
         self.generator = generator
         self.corruption_ids = torch.tensor(list(corruption_ids), dtype=torch.long)
         size = int(self.corruption_ids.max()) + 1 if len(self.corruption_ids) else 0
         self._index = torch.full((size,), -1, dtype=torch.long)
         self._index[self.corruption_ids] = torch.arange(len(self.corruption_ids))
+
+    @property
+    def corruption_prob(self) -> CorruptionRate:
+        """The rate, or `(low, high)` when rows draw their own."""
+        return self.low if self.low == self.high else (self.low, self.high)
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         if not rows:

@@ -322,7 +322,7 @@ def test_corruption_range_draws_a_rate_per_row(tok):
     assert (per_row < 0.1).float().mean() > 0.08 and (per_row > 0.7).float().mean() > 0.08  # both ends occur
     assert abs(per_row.std().item() - 0.8 / 12 ** 0.5) < 0.03  # far wider than one rate's binomial spread
     assert letters_collator(tok, (0.3, 0.3)).corruption_prob == 0.3
-    for bad in ((0.5, 0.2), (0.0, 1.5), (0.1, 0.2, 0.3)):
+    for bad in ((0.5, 0.2), (0.0, 1.5), (0.1, 0.2, 0.3), True, "ab", float("nan")):
         with pytest.raises(ValueError, match=r"corruption_prob must be in \[0, 1\]"):
             letters_collator(tok, bad)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.collate import corruption_range
 from data.tasks import Task, TaskError
 from lightning_modules.pipeline import ranks
-from lightning_modules.pipeline.config import corruption_rate
 
 # variant -> (what it shows, overrides). Variants that drop the regularizer also drop the compositional
 # rows (`reg_data=own`): without it they would still carry a task loss on composed prefixes.
@@ -112,6 +112,5 @@ def _run_or_resume(sub: DictConfig, resuming: bool, run: RunFn) -> dict:
 
 def _background_key(cfg: DictConfig) -> str:
     b = cfg.background
-    rate = corruption_rate(b.corruption_prob)
-    rho = "-".join(f"{r:g}" for r in rate) if isinstance(rate, tuple) else f"{rate:g}"
+    rho = "-".join(f"{r:g}" for r in dict.fromkeys(corruption_range(b.corruption_prob)))  # "0.2", or "0-0.8"
     return f"rho{rho}_steps{b.max_steps}"

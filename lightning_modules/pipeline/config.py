@@ -364,14 +364,13 @@ for _stage in ("background", "expert"):
 
 
 def _rate_ok(value: Any) -> bool:
-    if isinstance(value, ListConfig | list | tuple):
-        return len(value) == 2 and all(_number(v) for v in value) and 0 <= value[0] <= value[1] <= 1
-    return _number(value) and 0 <= value <= 1
+    from data.collate import corruption_range  # the Collator's own check
 
-
-def corruption_rate(value: Any) -> float | tuple[float, float]:
-    """A validated `corruption_prob` as `data.collate.Collator` takes it: a number, or `(low, high)`."""
-    return (float(value[0]), float(value[1])) if isinstance(value, ListConfig | list | tuple) else float(value)
+    try:
+        corruption_range(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _devices_ok(value: Any) -> bool:

@@ -36,7 +36,6 @@ from lightning_modules.pipeline import console, ranks
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
 from lightning_modules.pipeline.config import (
     ConfigError,
-    corruption_rate,
     expert_spec,
     is_pretrained,
     lora_target_modules,
@@ -373,8 +372,7 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}")
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps)
-    dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, corruption_rate(b.corruption_prob),
-                        cfg.data.num_workers, cfg.seed)
+    dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
     if ranks.is_leader():
         atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
@@ -401,8 +399,8 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
     e, c = cfg.expert, cfg.composition
     # `data.batch_size` counts rows per expert: k experts train on k × batch_size rows.
-    dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained),
-                        corruption_rate(e.corruption_prob), cfg.data.num_workers, cfg.seed)
+    dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained), e.corruption_prob,
+                        cfg.data.num_workers, cfg.seed)
     dm.dataset("train")
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)

@@ -212,7 +212,7 @@ class LettersTask(Task):
             c, seed = self.cfg, derive_seed(self.seed, "regularizer-random-rules", rs.name)
             xs = expert_inputs(n, c.alphabet, c.min_len, c.max_len, seed, rs, source_prob=1.0)
             ys = random_rule_outputs(xs, rs, c.alphabet, derive_seed(seed, "rules"))
-            return [self._build(xs, [rs], [rs], self._tokenizer, {**extra, "task_on_mask": 1}, ys=ys)]
+            return [self._build(xs, [], [rs], self._tokenizer, {**extra, "task_on_mask": 1}, ys=ys)]
         return []
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
