@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import LongTensor, Tensor, nn
+from torch.nn import functional as F
 from transformers import (
     DynamicCache,
     LogitsProcessorList,
@@ -324,22 +325,81 @@ class ComposedLM(nn.Module):
         return lp[0], lp[1:]
 
     @torch.no_grad()
-    def score(self, input_ids: Tensor, attention_mask: Tensor | None = None, masks: Tensor | None = None) -> Tensor:
+    def score(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        masks: Tensor | None = None,
+        *,
+        chunk_size: int | None = None,
+    ) -> Tensor:
         """Composed, normalized next-token log-probs ``[B, T, V]`` (teacher-forced, float32).
+
+        The models run once over all positions; their output heads, the float32 log-softmax and the
+        composition then run over blocks of ``chunk_size`` positions, so besides the ``[B, T, V]`` result
+        at most ``(k+1)·B·chunk_size·V`` float32 logits are held at once, never ``(k+1)·B·T·V``.
 
         Args:
             input_ids: ``[B, T]`` token ids.
             attention_mask: optional ``[B, T]`` (left or right padding; needed whenever the batch is padded).
             masks: optional bool ``[k, B, T]``; where False that expert's factor is 1 (gated composition).
+            chunk_size: positions per block (default: as many as keep one block's logits within
+                ``SCORE_CHUNK_BYTES``, see :func:`score_chunk_size`).
         """
-        background, experts = self.component_logprobs(input_ids, attention_mask)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+        input_ids = input_ids.to(self.device)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        position_ids = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            position_ids = _position_ids(attention_mask)
         if masks is not None:
-            masks = masks.to(background.device)
-        return compose_logprobs(background, experts, self.weights, masks, self.min_logprob)
+            masks = masks.to(self.device)
+        with self._running(batch):
+            heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
+            if heads is None:  # an output head we cannot call on its own: all positions at once
+                logits = self._forward(input_ids, attention_mask, position_ids, caches=None, last_only=False)
+                return compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
+            out_dim, config_vocab = _vocab_sizes(self._base_model())[::-1]
+            chunk = chunk_size or score_chunk_size(self.num_experts + 1, batch, out_dim or config_vocab or 1)
+            out = None
+            for start in range(0, length, chunk):
+                positions = slice(start, start + chunk)
+                if len(heads) == 1:  # the adapters backend's (k+1)·B rows, one head call
+                    head, hidden = heads[0]
+                    logits = head(hidden[:, positions]).float()
+                else:
+                    logits = torch.stack([head(hidden[:, positions]).float() for head, hidden in heads])
+                logits = logits.view(self.num_experts + 1, batch, *logits.shape[-2:])
+                block = compose_logprobs(logits[0], logits[1:], self.weights,
+                                         None if masks is None else masks[:, :, positions], self.min_logprob)
+                del logits
+                if out is None:
+                    out = block.new_empty(batch, length, block.shape[-1])
+                out[:, positions] = block
+        return out
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, masks: Tensor | None = None) -> Tensor:
+    def _final_hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> list[tuple[Callable[[Tensor], Tensor], Tensor]] | None:
+        """``(output head, its input at every position)`` per forward: one (the ``(k+1)·B`` batch) for the adapters
+        backend, one per component for the separate one. None when a model's head cannot be run on its own."""
+        if self.backend == "adapters":
+            n = self.num_experts + 1
+            repeat = [None if t is None else t.repeat(n, 1) for t in (input_ids, attention_mask, position_ids)]
+            pairs = [_hidden_and_head(self._base_model(), *repeat)]
+        else:
+            pairs = [_hidden_and_head(m, input_ids, attention_mask, position_ids)
+                     for m in [self.background, *self.experts]]
+        return None if any(p is None for p in pairs) else pairs
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, masks: Tensor | None = None,
+                **kwargs: Any) -> Tensor:
         """Same as :meth:`score`."""
-        return self.score(input_ids, attention_mask, masks)
+        return self.score(input_ids, attention_mask, masks, **kwargs)
 
     def interval_masks(self, input_ids: Tensor, prompt_len: int) -> Tensor:
         """Bool ``[k, B, T]``: the gates of gated :meth:`generate`, teacher-forced, for ``score(masks=...)``.
@@ -574,8 +634,58 @@ def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: tor
     return torch.stack(rows)
 
 
+SCORE_CHUNK_BYTES = 1 << 28  # float32 logits of one block of `ComposedLM.score` (256 MiB)
+
+
+def score_chunk_size(components: int, batch_size: int, vocab_size: int, budget: int = SCORE_CHUNK_BYTES) -> int:
+    """Positions per block of :meth:`ComposedLM.score`: the most whose ``[components, B, c, V]`` float32 logits
+    fit in ``budget`` bytes (at least 1)."""
+    return max(1, budget // (4 * components * batch_size * vocab_size))
+
+
+def _hidden_and_head(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+) -> tuple[Callable[[Tensor], Tensor], Tensor] | None:
+    """One teacher-forced forward of ``model`` that stops short of its output head: ``(head, hidden [B, T, d])``.
+
+    A pre-hook on ``model.get_output_embeddings()`` keeps the head's input at every position and lets the model
+    compute only the last position's logits; ``head(hidden[:, -1:])`` must reproduce those (an
+    architecture that post-processes its logits other than by ``final_logit_softcapping`` fails that check).
+    None when the model has no such head, never calls it, or the check fails.
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head_module = get_head() if callable(get_head) else None
+    if head_module is None:
+        return None
+    captured: list[Tensor] = []
+
+    def keep_last(module: nn.Module, args: tuple) -> tuple | None:
+        if captured or not args or args[0].dim() != 3:
+            return None
+        captured.append(args[0])
+        return (args[0][:, -1:], *args[1:])
+
+    handle = head_module.register_forward_pre_hook(keep_last)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    if not captured or out.logits.shape[1] != 1:
+        return None
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+    def head(hidden: Tensor) -> Tensor:
+        logits = head_module(hidden)
+        return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+    if not torch.allclose(head(captured[0][:, -1:]).float(), out.logits.float(), rtol=1e-5, atol=1e-5):
+        return None
+    return head, captured[0]
+
+
 def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
-    """Plain (unmerged, non-DoRA) LoRA on linear layers only, and no trainable auxiliary modules."""
+    """Plain (unmerged, non-DoRA, bias-free) LoRA on linear layers only, no trainable auxiliary modules, and no
+    other code already replacing a LoRA layer's ``forward`` (e.g. accelerate's offloading hooks)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.utils import AuxiliaryTrainingWrapper
@@ -584,47 +694,90 @@ def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
         if isinstance(module, AuxiliaryTrainingWrapper):
             return False
         if isinstance(module, LoraLayer):
-            if not isinstance(module, LoraLinear) or module.merged:
+            if not isinstance(module, LoraLinear) or module.merged or "forward" in vars(module):
                 return False
-            if any(n in module.lora_variant or module.use_dora.get(n, False) for n in names):
-                return False
+            for n in names:
+                if n in module.lora_variant or module.use_dora.get(n, False):
+                    return False
+                if n in module.lora_B and module.lora_B[n].bias is not None:
+                    return False
     return True
+
+
+def _stack_lora(module: nn.Module, names: Sequence[str]) -> tuple[Tensor, Tensor] | None:
+    """One LoRA layer's experts stacked for batched matmuls: ``(A [k, d_in, r], B [k, r, d_out])``.
+
+    ``A[i] = A_iᵀ`` and ``B[i] = B_iᵀ · scaling_i``, zero-padded to the largest rank; an expert without an adapter
+    on this layer gets zeros (an exact no-op). None when no expert adapts this layer.
+    """
+    present = [n for n in names if n in module.lora_A]
+    if not present:
+        return None
+    ref = module.lora_A[present[0]].weight
+    rank = max(module.lora_A[n].weight.shape[0] for n in present)
+    d_in, d_out = ref.shape[1], module.lora_B[present[0]].weight.shape[0]
+    lora_a = ref.new_zeros(len(names), d_in, rank)
+    lora_b = ref.new_zeros(len(names), rank, d_out)
+    for i, name in enumerate(names):
+        if name in module.lora_A:
+            weight_a, weight_b = module.lora_A[name].weight, module.lora_B[name].weight
+            lora_a[i, :, : weight_a.shape[0]] = weight_a.T
+            lora_b[i, : weight_b.shape[1]] = weight_b.T * module.scaling[name]
+    return lora_a, lora_b
+
+
+def _stacked_lora_forward(module: nn.Module, batch_size: int, lora_a: Tensor, lora_b: Tensor) -> Callable[..., Tensor]:
+    """A LoRA layer's ``forward`` for the batch ``[background | expert 1 | … | expert k]`` of ``batch_size`` rows each.
+
+    The base layer runs on all rows; the experts' rows, a contiguous ``[k, B·T, d_in]`` view, get
+    ``x A_iᵀ B_iᵀ · s_i`` from two batched matmuls (the last one accumulates into the output in place). Plain
+    ``nn.Linear`` base layers without hooks are called as ``F.linear`` (one module call less per layer and step).
+    """
+    base = module.base_layer
+    plain = type(base) is nn.Linear and not (base._forward_hooks or base._forward_pre_hooks or "forward" in vars(base))
+    k, rows, cast = lora_a.shape[0], (lora_a.shape[0] + 1) * batch_size, lora_a.dtype
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        result = F.linear(x, base.weight, base.bias) if plain and not args else base(x, *args, **kwargs)
+        if x.shape[0] != rows:
+            raise ValueError(
+                f"grouped LoRA expects {rows} rows ((k+1)·B with k={k}, B={batch_size}) as the first axis of a "
+                f"LoRA layer's input, got shape {tuple(x.shape)}"
+            )
+        experts_in = x[batch_size:].reshape(k, -1, x.shape[-1])
+        hidden = torch.bmm(experts_in if experts_in.dtype == cast else experts_in.to(cast), lora_a)  # [k, B·T, r]
+        experts_out = result[batch_size:].view(k, -1, result.shape[-1])  # [k, B·T, d_out], a view into result
+        if result.dtype == cast:
+            experts_out.baddbmm_(hidden, lora_b)
+        else:
+            experts_out += torch.bmm(hidden, lora_b).to(result.dtype)
+        return result
+
+    return forward
 
 
 @contextmanager
 def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[None]:
-    """The mixed-adapter batch ``[background | expert 1 | … | expert k]`` (``batch_size`` rows each), faster.
+    """The mixed-adapter batch ``[background | expert 1 | … | expert k]`` (``batch_size`` rows each), fast.
 
     Same arithmetic as peft's ``LoraLayer._mixed_batch_forward`` (base output, plus each adapter's
-    ``B(A(x))·scaling`` on its own rows), but the rows of each component are a contiguous block, so a
-    slice replaces peft's per-step Python index lists and gather/scatter in every layer. Each LoRA layer
-    runs its base layer alone (its adapters disabled) and a forward hook adds the experts' updates.
+    ``B(A(x))·scaling`` on its own rows), but the rows of each component are a contiguous block, so the k
+    experts' LoRA weights of a layer are stacked once per call (:func:`_stack_lora`) and applied with two
+    batched matmuls on a view (:func:`_stacked_lora_forward`), instead of peft's per-step index lists,
+    gather/scatter and a loop over adapters in every layer. Each LoRA layer's ``forward`` is replaced for the
+    duration of the context (an instance attribute, removed afterwards).
     """
     from peft.tuners.lora import LoraLayer
 
-    def add_experts(module, args, output):
-        x = args[0]
-        for i, name in enumerate(names):
-            if name in module.lora_A:
-                rows = slice((i + 1) * batch_size, (i + 2) * batch_size)
-                lora_a = module.lora_A[name]
-                update = module.lora_B[name](lora_a(x[rows].to(lora_a.weight.dtype))) * module.scaling[name]
-                output[rows] += update.to(output.dtype)
-        return output
-
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    disabled = [m._disable_adapters for m in layers]
-    handles = []
     try:
         for m in layers:
-            m._disable_adapters = True  # the attribute itself: peft's enable_adapters() would reset requires_grad
-            handles.append(m.register_forward_hook(add_experts))
+            stacked = _stack_lora(m, names)
+            m.forward = m.base_layer.__call__ if stacked is None else _stacked_lora_forward(m, batch_size, *stacked)
         yield
     finally:
-        for h in handles:
-            h.remove()
-        for m, d in zip(layers, disabled, strict=True):
-            m._disable_adapters = d
+        for m in layers:
+            vars(m).pop("forward", None)
 
 
 def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):

@@ -24,6 +24,7 @@ from compose.common import eval_mode
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, task_nll
+from losses.features import FeatureMap, feature_divergence, feature_masks, owned_matrix
 
 
 class ExpertLM(pl.LightningModule):
@@ -45,6 +46,10 @@ class ExpertLM(pl.LightningModule):
             they join the composition evaluated in validation.
         weights: composition weight per expert name (default 1).
         active_threshold: divergence above which a position counts as active (precision/recall).
+        regularizer: "token" (`off_mask_divergence`) or "features" (`losses.feature_divergence`: per feature
+            marginal of `feature_map`, off the mask on the features an expert owns, everywhere on the others).
+        feature_map, owned_features: the task's token bijection and, per expert name, the features it owns
+            (default: all), for `regularizer="features"`.
     """
 
     def __init__(
@@ -69,12 +74,22 @@ class ExpertLM(pl.LightningModule):
         weights: Mapping[str, float] | None = None,
         active_threshold: float = 0.01,
         log_every_n_steps: int = 25,
+        regularizer: str = "token",
+        feature_map: FeatureMap | None = None,
+        owned_features: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
-        self.save_hyperparameters(ignore=["background"])
+        self.save_hyperparameters(ignore=["background", "feature_map"])
         self.names = list(names)
+        self.feature_map = feature_map
+        if regularizer not in ("token", "features"):
+            raise ValueError(f"regularizer={regularizer!r} is not one of token, features")
+        if regularizer == "features":
+            if feature_map is None:
+                raise ValueError("regularizer='features' needs a feature_map")
+            self.register_buffer("owned", owned_matrix(self.names, owned_features or {}, feature_map), persistent=False)
         self.frozen_names = list(frozen_adapters or {})
         for p in background.parameters():
             p.requires_grad_(False)
@@ -175,8 +190,7 @@ class ExpertLM(pl.LightningModule):
         nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
         loss = nll
         if h.reg_weight > 0:
-            reg = off_mask_divergence(logits, bg, targets, own_mask, kind=h.divergence, beta=h.jsd_beta,
-                                      temperature=h.temperature)
+            reg = self.regularizer_loss(logits, bg, targets, own_mask, expert_index)
             loss = loss + h.reg_weight * reg
             self.log("train/reg", reg)
         self.log("train/loss", loss, prog_bar=True)
@@ -187,6 +201,19 @@ class ExpertLM(pl.LightningModule):
             # of an expert (its adapter then takes no part in the loss): a zero term keeps each one in the graph.
             loss = loss + 0.0 * sum(p.sum() for p in self.parameters() if p.requires_grad)
         return loss
+
+    def regularizer_loss(self, logits: Tensor, bg: Tensor, targets: Tensor, own_mask: Tensor,
+                         expert_index: Tensor) -> Tensor:
+        """The regularizer (before λ): `off_mask_divergence`, or with `regularizer="features"` the per-feature
+        `feature_divergence`, each row's expert free only on its mask and only on the features it owns."""
+        h = self.hparams
+        kwargs = dict(kind=h.divergence, beta=h.jsd_beta, temperature=h.temperature)
+        if h.regularizer != "features":
+            return off_mask_divergence(logits, bg, targets, own_mask, **kwargs)
+        if not isinstance(bg, Tensor):
+            raise ValueError("regularizer='features' needs the background's full logits (no background cache)")
+        masks = feature_masks(own_mask, self.owned[expert_index])
+        return feature_divergence(logits, bg, targets, masks, self.feature_map, **kwargs)
 
     @torch.no_grad()
     def _log_per_expert(self, logits, bg, targets, own_mask, expert_index, is_task) -> None:

@@ -258,32 +258,135 @@ def test_bad_arguments():
         ComposedLM.from_peft(peft_model, ["a", "b"]).generate(torch.ones(1, 3, dtype=torch.long), gates=[None])
 
 
-def test_grouped_lora_fast_path_equals_peft_mixed_batch(monkeypatch):
-    """The adapters backend's slice-based LoRA path gives exactly what peft's own mixed batch gives."""
-    import compose.composed_lm as clm
+# One adapter per entry: (rank, alpha, targets); experts differ in rank and in the layers they adapt.
+_ADAPTERS = [(4, 8, "all-linear"), (2, 4, ["q_proj", "v_proj"]), (3, 3, ["gate_proj", "down_proj", "k_proj"])]
 
+
+def _mixed_lora_model(k: int):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    base = LlamaForCausalLM(cfg).eval()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    model = get_peft_model(base, lora, adapter_name="a")
-    model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = None
+    for i, (r, alpha, targets) in enumerate(_ADAPTERS[:k]):
+        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        if model is None:
+            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
+        else:
+            model.add_adapter(f"e{i}", lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.3)
-    composed = ComposedLM.from_peft(model, ["a", "b"], weights=[1.0, 0.5])
-    assert clm._grouped_lora_supported(model, ["a", "b"])
-    ids = torch.randint(5, 24, (3, 9))
+    return model.eval()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypatch, k):
+    """The adapters backend's stacked-LoRA path (one batched matmul per layer) gives what peft's own mixed batch
+    and the separate backend (each adapter merged into a full copy) give, with different ranks and targets."""
+    import compose.composed_lm as clm
+
+    model = _mixed_lora_model(k)
+    names, weights = [f"e{i}" for i in range(k)], [1.0, 0.5, -0.3][:k]
+    composed = ComposedLM.from_peft(model, names, weights=weights)
+    assert clm._grouped_lora_supported(model, names)
+    state = set(model.state_dict())
+    ids = torch.randint(5, 24, (3, 9), generator=torch.Generator().manual_seed(k))
     attn = torch.ones_like(ids)
     attn[0, :3] = 0  # left padding
     fast_score = composed.score(ids, attn)
     fast_gen = composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[])
+    # The layers' forwards are restored and no module was added or dropped.
+    assert set(model.state_dict()) == state
+    assert not any("forward" in vars(m) for m in model.modules())
+    separate = ComposedLM(plain_copy(model), [merged_copy(model, n) for n in names], weights=weights, names=names)
+    torch.testing.assert_close(separate.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
+    assert torch.equal(separate.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
     monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
     torch.testing.assert_close(composed.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
+
+
+def test_stacked_lora_stack_pads_ranks_and_absent_experts_with_zeros():
+    import compose.composed_lm as clm
+
+    model = _mixed_lora_model(3)
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
+    lora_a, lora_b = clm._stack_lora(q_proj, ["e0", "e1", "e2"])
+    assert lora_a.shape == (3, 32, 4) and lora_b.shape == (3, 4, 32)
+    torch.testing.assert_close(lora_a[1, :, :2], q_proj.lora_A["e1"].weight.T)
+    torch.testing.assert_close(lora_b[1, :2], q_proj.lora_B["e1"].weight.T * q_proj.scaling["e1"])
+    assert not lora_a[1, :, 2:].any() and not lora_b[1, 2:].any() and not lora_a[2].any() and not lora_b[2].any()
+    assert clm._stack_lora(model.get_base_model().model.layers[0].mlp.up_proj, ["e1", "e2"]) is None
+
+
+# ---------------------------------------------------------------------------------------------- long sequences
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_chunked_score_equals_unchunked_and_holds_one_block_of_logits(monkeypatch, backend):
+    """``score`` runs the heads, log-softmax and composition over blocks of positions: the same result for every
+    block size, and no logits tensor ever spans more than ``chunk_size`` positions."""
+    import compose.composed_lm as clm
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=g)
+    masks = torch.rand(2, 2, 11, generator=g) > 0.3
+    peft_model = tiny_peft("llama")
+    if backend == "adapters":
+        composed = ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0, 0.6])
+        head = peft_model.get_base_model().get_output_embeddings()
+    else:
+        experts = [merged_copy(peft_model, "a"), merged_copy(peft_model, "b")]
+        composed = ComposedLM(plain_copy(peft_model), experts, weights=[1.0, 0.6])
+        head = composed.background.get_output_embeddings()
+    with torch.no_grad():  # the unchunked reference: every component's full logits at once
+        bg, ex = composed.component_logprobs(ids)
+    reference = compose_logprobs(bg, ex, [1.0, 0.6], masks)
+    positions, composed_shapes = [], []
+    head.register_forward_hook(lambda mod, args, out: positions.append(out.shape[1]))
+    real_compose = clm.compose_logprobs
+    monkeypatch.setattr(clm, "compose_logprobs",
+                        lambda b, e, *a: composed_shapes.append(tuple(e.shape)) or real_compose(b, e, *a))
+    for chunk in (1, 4, 11, 64, None):
+        positions.clear()
+        composed_shapes.clear()
+        torch.testing.assert_close(composed.score(ids, masks=masks, chunk_size=chunk), reference,
+                                   atol=1e-5, rtol=1e-5)
+        limit = 11 if chunk is None else min(chunk, 11)
+        assert max(positions) <= limit and all(s[:2] == (2, 2) and s[2] <= limit for s in composed_shapes)
+        assert sum(s[2] for s in composed_shapes) == 11  # every position composed exactly once
+    with pytest.raises(ValueError, match="chunk_size must be a positive"):
+        composed.score(ids, chunk_size=0)
+
+
+def test_score_chunk_size_fits_the_budget():
+    from compose.composed_lm import score_chunk_size
+
+    # V = 256k, k = 2 experts, B = 1: 256 MiB hold 87 positions of 3 float32 logit rows.
+    assert score_chunk_size(3, 1, 256_000) == (1 << 28) // (4 * 3 * 256_000) == 87
+    assert score_chunk_size(9, 64, 256_000) == 1  # never below one position
+    assert score_chunk_size(3, 1, 32, budget=4 * 3 * 32 * 5) == 5
+
+
+def test_score_falls_back_when_the_head_post_processes_logits():
+    """A model that changes its logits after the head (here doubles them) is scored from its full logits."""
+
+    class Doubled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    background = tiny_model("llama")
+    doubled = Doubled(background.config).eval()
+    doubled.load_state_dict(tiny_model("llama", seed=1).state_dict())
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = compose_logprobs(background(ids).logits, [doubled(ids).logits])
+    composed = ComposedLM(background, [doubled])
+    torch.testing.assert_close(composed.score(ids, chunk_size=2), expected, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- padding

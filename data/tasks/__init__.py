@@ -17,6 +17,7 @@ TASKS: dict[str, str] = {
     "letters": "data.tasks.letters:LettersTask",
     "intervals": "data.tasks.intervals:IntervalsTask",
     "text": "data.tasks.text:TextTask",
+    "features": "data.tasks.features:FeaturesTask",
 }
 
 

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 if TYPE_CHECKING:
     from compose import ComposedLM
     from data.collate import CorruptionRate
+    from losses.features import FeatureMap
 
 SPLITS = ("train", "val", "test")
 EVAL_SPLITS = ("val", "test")
@@ -145,6 +146,17 @@ class Task(ABC):
         return getattr(self.cfg, "max_row_length", None)
 
     @property
+    def feature_map(self) -> FeatureMap | None:
+        """The token bijection ``D: V → F_1 × … × F_n`` of a feature-space task (METHOD.md §2), used by the
+        factored head (`model.head: factored`) and the per-feature regularizer; None: the task has none."""
+        return None
+
+    def owned_features(self, name: str) -> tuple[str, ...]:
+        """The features expert `name` may change on its mask (the others must keep the background's marginal);
+        default: every feature."""
+        return self.feature_map.names if self.feature_map is not None else ()
+
+    @property
     def notes(self) -> list[str]:
         """Human-readable remarks for the summary (e.g. overlapping experts that were allowed)."""
         return []
@@ -191,6 +203,14 @@ class Task(ABC):
     def standard_experts(self, k: int) -> list[dict]:
         """k disjoint experts as config entries (for the `ablation_ks` sweep); tasks without one raise."""
         raise TaskError(f"task {self.name!r} cannot make a standard set of {k} experts (ablation_ks)")
+
+    def evaluate_lengths(self, background: ComposedLM, experts: Mapping[str, ComposedLM], composed: ComposedLM | None,
+                         batch_size: int, progress: Callable[[int], None] | None = None) -> dict[str, dict]:
+        """Length generalization (METHOD.md §2): exact match of the background, each trained expert alone (name ->
+        background + that expert) and `composed` at each input length the task's settings ask for, keyed by
+        length: `{"<L>": {"background", "experts": {name: ...}, "composition", ...}}`. `{}` (the default): the
+        task sweeps no lengths."""
+        return {}
 
     # --- shared by every task ---------------------------------------------------------------------
     def composition_metrics(self, model: ComposedLM, dataset: datasets.Dataset, batch_size: int,

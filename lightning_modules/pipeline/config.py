@@ -53,6 +53,13 @@ class ModelConfig:
     dtype: str | None = None
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention
     gradient_checkpointing: bool = False  # activation checkpointing (non-reentrant), background and experts
+    # token: an ordinary output layer | factored: token logit = sum of per-feature logits over the task's feature
+    # map (METHOD.md §2, feature space; a model built from scratch, LoRA experts): pipeline/feature_head.py
+    head: str = "token"
+    # Positions in a Llama built from scratch: rope (rotary, base `rope_theta`) | nope (none: causal attention
+    # alone tells order; stored in the model's config, so a reloaded or exported model stays NoPE).
+    position_encoding: str = "rope"
+    rope_theta: float = 10000.0
 
 
 @dataclass
@@ -123,6 +130,9 @@ class ExpertTrainingConfig:
     # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert)
     reg_data: str = "composition"
     task_loss_on_mask_only: bool = False
+    # token: the divergence of next-token distributions off the mask | features: of each feature's marginal (the
+    # task's feature map), off the expert's mask on the features it owns, everywhere on the others (losses/features.py)
+    regularizer: str = "token"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -182,6 +192,8 @@ CHOICES = {
     "expert.reg_data": ("own", "background", "composition", "own+background", "random_rules"),  # data.tasks.REG_DATA_CHOICES
     "model.dtype": (None, "auto", "float32", "bfloat16", "float16"),
     "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+    "model.head": ("token", "factored"),
+    "expert.regularizer": ("token", "features"),
 }
 
 
@@ -196,6 +208,7 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, prefix: str = "") -> ConfigError:
+    "model.position_encoding": ("rope", "nope"),
     key = getattr(err, "full_key", None) or ""
     key = f"{prefix}{key}" if key else key
     msg = (getattr(err, "msg", None) or str(err) or type(err).__name__).splitlines()[0]
@@ -352,6 +365,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.val_check_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1 (training steps)"),
     "trainer.log_every_n_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "trainer.num_sanity_val_steps": (lambda v: _int(v) and v >= -1, "an integer >= -1 (-1: all)"),
+    "model.rope_theta": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "trainer.limit_val_batches": (lambda v: (_int(v) and v >= 0) or (_number(v) and 0 <= v <= 1),
                                   "a fraction in [0.0, 1.0] or a whole number of batches >= 0"),
     "trainer.devices": (lambda v: _devices_ok(v), "an integer >= 1, -1 (all), 'auto', or a list of device "
@@ -458,11 +472,24 @@ def validate(cfg: DictConfig) -> None:
     if cfg.expert.mode == "head" and not is_pretrained(cfg) and cfg.model.arch == "gpt2":
         raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
                           "(use model.arch=llama or another expert.mode)")
+    head_targets = cfg.expert.lora.target_modules
+    if cfg.model.head == "factored" and (cfg.model.pretrained_path or cfg.expert.mode != "lora" or (
+            isinstance(head_targets, ListConfig) and "lm_head" in head_targets)):
+        raise ConfigError("model.head=factored needs a model built from scratch and LoRA experts that leave its output "
+                          f"layer alone; got model.pretrained_path={cfg.model.pretrained_path}, expert.mode="
+                          f"{cfg.expert.mode}, expert.lora.target_modules={head_targets}")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path} (give a .ckpt file or 'last')")
     targets = cfg.expert.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
+    if cfg.model.position_encoding != "rope" or cfg.model.rope_theta != ModelConfig.rope_theta:
+        key = "model.position_encoding" if cfg.model.position_encoding != "rope" else "model.rope_theta"
+        # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
+        if cfg.model.pretrained_path or cfg.model.arch != "llama":
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
+                              f"llama, no model.pretrained_path); got model.arch={cfg.model.arch}, "
+                              f"model.pretrained_path={cfg.model.pretrained_path}")
         raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
                           "as all-linear, or null (automatic)")
 

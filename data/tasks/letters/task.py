@@ -11,7 +11,8 @@ avoid both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import datasets
@@ -51,6 +52,9 @@ class LettersConfig:
         source_prob: fraction of an expert's inputs planted with one of its source letters.
         compositional_min_experts: None: compositional inputs contain a source of every expert in play;
             otherwise of a random subset of at least this many (>= 2).
+        eval_lengths: `[shortest, longest]`: after training, evaluate the background, each expert alone and the
+            composition at every input length in this range (`LettersTask.evaluate_lengths`); None: no sweep.
+        n_per_length: inputs per length and model in that sweep.
     """
 
     alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -62,6 +66,8 @@ class LettersConfig:
     n_test: int = 1000
     source_prob: float = 0.5
     compositional_min_experts: int | None = None
+    eval_lengths: list[int] | None = None
+    n_per_length: int = 200
 
     def __post_init__(self) -> None:
         try:
@@ -72,17 +78,32 @@ class LettersConfig:
             raise TaskError(f"task: need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
         if self.format not in ("generative", "aligned"):
             raise TaskError(f"task.format={self.format!r} is not one of generative, aligned")
-        check_split_sizes(self, self.max_row_length)
+        check_split_sizes(self, self._row_length(self.max_len))
         if not 0.0 <= self.source_prob <= 1.0:
             raise TaskError(f"task.source_prob must be in [0, 1], got {self.source_prob}")
         m = self.compositional_min_experts
         if m is not None and m < 2:
             raise TaskError(f"task.compositional_min_experts must be None or >= 2, got {m}")
+        lengths = self.eval_lengths
+        if lengths is not None and (len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]):
+            raise TaskError(f"task.eval_lengths={list(lengths)}: give [shortest, longest] with 1 <= shortest <= longest")
+        if lengths is not None and self.format != "generative":
+            raise TaskError("task.eval_lengths sweeps decoded lengths: it needs task.format=generative")
+        check_split_sizes(self, self._row_length(max(lengths or [0])), ("n_per_length",))
 
     @property
     def max_row_length(self) -> int:
-        """Tokens in the longest row: `<bos> x <sep> y <eos>` (generative) or `<bos> x` (aligned)."""
-        return 2 * self.max_len + 3 if self.format == "generative" else self.max_len + 1
+        """Tokens in the longest row, training or evaluation: `<bos> x <sep> y <eos>` (generative) or `<bos> x`
+        (aligned)."""
+        return self._row_length(max(self.max_len, *(self.eval_lengths or [])))
+
+    @property
+    def max_row_length_key(self) -> str:
+        """The setting that makes `max_row_length`: `task.eval_lengths` or `task.max_len`."""
+        return "task.eval_lengths" if max(self.eval_lengths or [0]) > self.max_len else "task.max_len"
+
+    def _row_length(self, length: int) -> int:
+        return 2 * length + 3 if self.format == "generative" else length + 1
 
 
 class LettersTask(Task):
@@ -108,6 +129,10 @@ class LettersTask(Task):
         m = cfg.compositional_min_experts
         if m is not None and m > len(rule_sets):
             raise TaskError(f"task.compositional_min_experts={m} exceeds the {len(rule_sets)} experts in play")
+        planted = len(rule_sets) if m is None else m
+        if cfg.eval_lengths and rule_sets and cfg.eval_lengths[0] < planted:
+            raise TaskError(f"task.eval_lengths={list(cfg.eval_lengths)}: compositional inputs plant a source letter "
+                            f"of {planted} experts, so the shortest length must be >= {planted}")
         self.rule_sets = rule_sets
         self._trained_rules = [rule_sets[self.expert_names.index(n)] for n in self.trained]
         self._tokenizer = build_char_tokenizer(cfg.alphabet)
@@ -268,6 +293,74 @@ class LettersTask(Task):
         for kind, frac in failures.compute().items():
             results[f"failures/{kind}"] = float(frac)
         return results
+
+
+    # --- length generalization (METHOD.md §2) ------------------------------------------------------
+    def length_inputs(self, length: int, exclude: set[str] | None = None) -> dict:
+        """`n_per_length` inputs of exactly `length` letters, none in `exclude` (default: every training input):
+        `{"background": plain strings, "experts": {name: that trained expert's own rows, planted with one of its
+        source letters at rate source_prob as its test split}, "composition": rows with a source of the experts in
+        play, as the compositional split}`. Drawn from seeds of the run's seed, the length and the row kind."""
+        c, n = self.cfg, self.cfg.n_per_length
+        seen = self._training_inputs() if exclude is None else exclude
+
+        def draw(kind: str, make: Callable[[int], list[str]]) -> list[str]:
+            seed = derive_seed(self.seed, "length", length, kind)
+            return draw_excluding(lambda attempt: make(derive_seed(seed, attempt)), n, seen, f"length {length} {kind}")
+
+        out: dict = {"background": draw("background", lambda s: sample_strings(n, c.alphabet, length, length, s)),
+                     "experts": {}}
+        for rs in self._trained_rules:
+            out["experts"][rs.name] = draw(f"expert/{rs.name}", lambda s, rs=rs: expert_inputs(
+                n, c.alphabet, length, length, s, rs, c.source_prob))
+        if self.rule_sets:
+            out["composition"] = draw("composition", lambda s: compositional_inputs(
+                n, c.alphabet, length, length, s, self.rule_sets, c.compositional_min_experts))
+        return out
+
+    def _training_inputs(self) -> set[str]:
+        seen = set(self.background_dataset("train")["x"])
+        if self.trained:
+            seen.update(self.expert_dataset("train")["x"])
+        return seen
+
+    def evaluate_lengths(self, background, experts: Mapping[str, object], composed, batch_size: int,
+                         progress: Callable[[int], None] | None = None) -> dict[str, dict]:
+        """Exact match at every input length of `task.eval_lengths` (greedy decoding, `length_inputs` rows).
+
+        Args:
+            background: the background alone (a `ComposedLM` without experts).
+            experts: trained expert name -> the background composed with that expert alone, judged on its rows.
+            composed: the background composed with every expert in play (or None), judged on compositional rows.
+            progress: called with each length before it is decoded.
+
+        Returns:
+            `{"<L>": {"trained_length", "n", "background", "experts": {name: ...}, "composition",
+            "components_min", "components_product"}}`: the last two are the minimum and the product of the experts'
+            accuracies at that length, what the composition inherits if it keeps each component's behaviour
+            (METHOD.md §2). `{}` when `task.eval_lengths` is unset.
+        """
+        if not self.cfg.eval_lengths:
+            return {}
+        shortest, longest = self.cfg.eval_lengths
+        seen, out = self._training_inputs(), {}
+        for length in range(shortest, longest + 1):
+            if progress is not None:
+                progress(length)
+            xs = self.length_inputs(length, seen)
+            entry: dict = {"trained_length": self.cfg.min_len <= length <= self.cfg.max_len, "n": self.cfg.n_per_length,
+                           "background": self._exact_match(background, xs["background"], [], batch_size)}
+            if experts:
+                entry["experts"] = {name: self._exact_match(model, xs["experts"][name],
+                                                            [self._trained_rules[self.trained.index(name)]], batch_size)
+                                    for name, model in experts.items()}
+            if composed is not None:
+                entry["composition"] = self._exact_match(composed, xs["composition"], self.rule_sets, batch_size)
+                alone = list(entry.get("experts", {}).values())
+                if alone:
+                    entry["components_min"], entry["components_product"] = min(alone), math.prod(alone)
+            out[str(length)] = entry
+        return out
 
 
 def _check_split(split: str, allowed: Sequence[str]) -> None:

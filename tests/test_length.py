@@ -1,0 +1,151 @@
+"""Length generalization (configs/experiment/length.yaml): NoPE models, the per-length sweep of the letter task,
+its report section and plot, and the errors for lengths the model cannot hold."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compose import ComposedLM
+from data.tasks import Expert
+from data.tasks.letters import LettersConfig, LettersTask
+from lightning_modules.pipeline.config import ConfigError, ModelConfig, load_config
+from lightning_modules.pipeline.models import build_causal_lm, load_pretrained, position_options
+from lightning_modules.pipeline.report import LENGTH_PLOT, plot_accuracy_vs_length, write_report
+from lightning_modules.pipeline.stages import plan_run
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT, LENGTH = ROOT / "configs" / "default.yaml", ROOT / "configs" / "experiment" / "length.yaml"
+EXPERTS = [Expert("A_to_B", {"rules": {"A": "B"}}), Expert("C_to_D", {"rules": {"C": "D"}})]
+
+
+def _task(**settings) -> LettersTask:
+    cfg = LettersConfig(**{"n_train": 64, "n_val": 8, "n_test": 8, "eval_lengths": [3, 20], "n_per_length": 6,
+                           **settings})
+    return LettersTask(cfg, EXPERTS, reg_data="composition", seed=0)
+
+
+def _gapped(ids: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([[0, 3, 4, 9, 20, 21, 30, 41, 50, 66][: ids.shape[1]]])
+
+
+@pytest.mark.parametrize("encoding", ["rope", "nope"])
+def test_nope_ignores_position_ids_and_survives_save_and_load(tmp_path, encoding):
+    tok = _task().tokenizer
+    model = build_causal_lm(ModelConfig(hidden_size=32, num_heads=2, num_layers=2, intermediate_size=64,
+                                        position_encoding=encoding), tok).eval()
+    ids = torch.randint(5, len(tok), (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain, gapped = model(ids).logits, model(ids, position_ids=_gapped(ids)).logits
+    if encoding == "rope":  # positions matter (the test can tell)
+        assert (plain - gapped).abs().max() > 1e-4
+        return
+    assert torch.equal(plain, gapped)
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    reloaded = load_pretrained(tmp_path / "m", tok).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, position_ids=_gapped(ids)).logits, plain)
+
+
+def test_default_positions_build_the_model_as_before():
+    assert position_options(ModelConfig()) == {}
+    assert position_options(ModelConfig(rope_theta=500.0)) == {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.max_position_embeddings=64", "model.max_position_embeddings=64 is shorter than the task's longest row "
+                                         "(67 tokens, from task.eval_lengths=[4, 32])"),
+    ("task.eval_lengths=[4,40]", "from task.eval_lengths=[4, 40]): raise it to >= 83"),
+    ("task.eval_lengths=[1,32]", "task.eval_lengths=[1, 32]: compositional inputs plant a source letter of 2"),
+    ("task.eval_lengths=[8,4]", "task.eval_lengths=[8, 4]: give [shortest, longest]"),
+    ("task.eval_lengths=[4]", "task.eval_lengths=[4]: give [shortest, longest]"),
+    ("task.n_per_length=0", "task.n_per_length=0"),
+    ("model.arch=gpt2", "model.position_encoding=nope applies to a Llama built from scratch"),
+    ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of rope, nope"),
+])
+def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_written(tmp_path, override, message):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:
+        plan_run(load_config([LENGTH], [f"output_dir={out}", override], base=DEFAULT))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_length_inputs_have_the_length_avoid_training_inputs_and_are_reproducible():
+    task = _task(min_len=3, max_len=4)
+    training = task._training_inputs()
+    for length in (3, 4, 9):
+        rows = task.length_inputs(length)
+        assert rows == _task(min_len=3, max_len=4).length_inputs(length)
+        every = [rows["background"], *rows["experts"].values(), rows["composition"]]
+        assert all(len(xs) == 6 and {len(x) for x in xs} == {length} for xs in every)
+        assert not training & set().union(*every)
+        assert all("A" in x and "C" in x for x in rows["composition"])
+    first = task.length_inputs(3)
+    again = task.length_inputs(3, exclude=set(first["background"]) | set(first["composition"]))
+    assert not set(again["background"]) & set(first["background"])
+    assert not set(again["composition"]) & set(first["composition"])
+
+
+def test_evaluate_lengths_reports_every_model_at_every_length():
+    task = _task(eval_lengths=[7, 9])
+    torch.manual_seed(0)
+    model = build_causal_lm(ModelConfig(hidden_size=16, num_heads=2, num_layers=1, intermediate_size=32,
+                                        max_position_embeddings=64), task.tokenizer).eval()
+    lm = ComposedLM(model, tokenizer=task.tokenizer)  # an untrained model stands in for every component
+    seen = []
+    results = task.evaluate_lengths(lm, {"A_to_B": lm, "C_to_D": lm}, lm, batch_size=4, progress=seen.append)
+    assert seen == [7, 8, 9] and list(results) == ["7", "8", "9"]
+    entry = results["8"]
+    assert entry["trained_length"] and not results["7"]["trained_length"] and entry["n"] == 6
+    assert set(entry) == {"trained_length", "n", "background", "experts", "composition", "components_min",
+                          "components_product"}
+    assert entry["components_min"] == min(entry["experts"].values())
+    assert _task(eval_lengths=None).evaluate_lengths(lm, {}, None, 4) == {}
+
+
+def _length_summary() -> dict:
+    length = {}
+    for n in range(4, 11):
+        experts = {"A_to_B": 1.0 if 6 <= n <= 8 else 0.5, "C_to_D": 0.9}
+        length[str(n)] = {"trained_length": 6 <= n <= 8, "n": 10, "background": 1.0 - n / 100, "experts": experts,
+                          "composition": 0.4, "components_min": min(experts.values()),
+                          "components_product": experts["A_to_B"] * experts["C_to_D"]}
+    return {"experiment": "length", "background": {"exact_match": 1.0}, "length": length}
+
+
+def test_report_has_the_length_table_and_plot(tmp_path):
+    path = write_report(_length_summary(), tmp_path)
+    text = path.read_text()
+    assert "## Length generalization" in text and f"![exact match vs input length]({LENGTH_PLOT})" in text
+    assert "| length | background | A_to_B | C_to_D | composition | min | product | comp − min |" in text
+    assert "| 7* | 0.930 | 1.000 | 0.900 | 0.400 | 0.900 | 0.900 | -0.500 |" in text
+    assert "| 4 | 0.960 | 0.500 | 0.900 | 0.400 | 0.500 | 0.450 | -0.100 |" in text
+    assert (tmp_path / LENGTH_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_accuracy_vs_length({"background": {}}, tmp_path / "none.png") is None
+    assert LENGTH_PLOT not in write_report({"background": {"exact_match": 1.0}}, tmp_path).read_text()
+    assert not (tmp_path / LENGTH_PLOT).exists()  # a stale plot goes with its section
+
+
+@pytest.mark.slow
+def test_length_experiment_runs_end_to_end_in_its_fast_variant(tmp_path):
+    """configs/experiment/length.yaml on the fast debug sizes: summary.json has `length.<L>` for every model and
+    report.md the table and the plot."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), str(LENGTH), str(ROOT / "configs/debug/fast.yaml"),
+                           f"output_dir={out}", "experiment=length_fast", "ablations=[]", "ablation_ks=[]",
+                           "baselines=[]", "task.eval_lengths=[3,18]", "task.n_per_length=8"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["length"]) == [str(n) for n in range(3, 19)]
+    assert set(summary["length"]["3"]["experts"]) == {"A_to_B", "C_to_D"}
+    assert all(0.0 <= v["composition"] <= 1.0 for v in summary["length"].values())
+    assert json.loads((out / "background" / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
+    assert "## Length generalization" in (out / "report.md").read_text() and (out / LENGTH_PLOT).is_file()
