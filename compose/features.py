@@ -28,7 +28,7 @@ def factorization_gap(logprobs: Tensor, fmap: FeatureMap) -> Tensor:
     product = sum(m.view(*m.shape[:-1], *(m.shape[-1] if i == j else 1 for i in range(n)))
                   for j, m in enumerate(marginals))
     joint = logprobs.float().log_softmax(-1)[..., fmap.grid.to(logprobs.device)]
-    return (joint.exp() * (joint - product)).flatten(-n).sum(-1)
+    return (joint.exp() * (joint - product)).flatten(-n).sum(-1).clamp_min(0.0)  # >= 0 (rounding aside)
 
 
 @torch.no_grad()
