@@ -38,18 +38,19 @@ class Collator:
     row's rate uniformly in `[low, high]`: light and heavy edit rates in one batch, as a k-way composition
     writes them (README, "Experts that never met"). `targets` stay clean. Draws come
     from `generator` (default: torch's global RNG, which Lightning's `seed_everything` seeds and DataLoader
-    workers reseed per worker).
+    workers reseed per worker); a list of generators, one per row, draws each row's corruption from its own
+    (`data.sampler.SeededCollate` with `variants`): a row is then corrupted the same way in any batch.
 
     Args:
         pad_token_id: the id padding `input_ids`.
         corruption_ids: the tokens corruption draws from (letters, or a tokenizer's non-special tokens).
         corruption_prob: a rate in [0, 1] (0 disables corruption), or `(low, high)` with 0 <= low <= high <= 1:
             a rate per row, uniform in that range.
-        generator: an explicit `torch.Generator` for the draws.
+        generator: an explicit `torch.Generator` for the draws, or one per row of the next batch.
     """
 
     def __init__(self, pad_token_id: int, corruption_ids: Sequence[int] = (), corruption_prob: CorruptionRate = 0.0,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None) -> None:
         self.low, self.high = corruption_range(corruption_prob)
         if self.high > 0 and not corruption_ids:
             raise ValueError("prefix corruption needs corruption_ids (the tokens it may write)")
@@ -108,6 +109,9 @@ class Collator:
         if "output_start" not in batch or "output_len" not in batch:
             raise ValueError("prefix corruption needs the output_start and output_len columns")
         input_ids = batch["input_ids"]
+        if isinstance(self.generator, Sequence):
+            self._corrupt_rows(input_ids, batch["output_start"], batch["output_len"], self.generator)
+            return
         pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
         start = batch["output_start"].unsqueeze(1)
         in_output = (pos >= start) & (pos < start + batch["output_len"].unsqueeze(1))
@@ -115,16 +119,33 @@ class Collator:
         if self.high > self.low:  # one rate per row
             rate = self.low + (self.high - self.low) * torch.rand((input_ids.shape[0], 1), generator=self.generator)
         chosen = in_output & (torch.rand(input_ids.shape, generator=self.generator) < rate)
-        ids = input_ids[chosen]
+        input_ids[chosen] = self._replace(input_ids[chosen], self.generator)
+
+    def _corrupt_rows(self, input_ids: Tensor, starts: Tensor, lengths: Tensor,
+                      generators: Sequence[torch.Generator]) -> None:
+        """Corrupt each row's output span from its own generator (the draws do not depend on the batch)."""
+        if len(generators) != input_ids.shape[0]:
+            raise ValueError(f"{len(generators)} generators for a batch of {input_ids.shape[0]} rows")
+        for b, (start, n, generator) in enumerate(zip(starts.tolist(), lengths.tolist(), generators, strict=True)):
+            rate = self.low
+            if self.high > self.low:
+                rate = self.low + (self.high - self.low) * float(torch.rand((), generator=generator))
+            span = input_ids[b, start:start + n]
+            chosen = torch.rand(span.shape, generator=generator) < rate
+            if chosen.any():
+                span[chosen] = self._replace(span[chosen], generator)
+
+    def _replace(self, ids: Tensor, generator: torch.Generator | None) -> Tensor:
+        """New tokens for `ids`: a uniformly drawn *different* token of the set, any token of it for one outside."""
         known = ids < len(self._index)
         current = torch.full_like(ids, -1)
         current[known] = self._index[ids[known]]
         n = len(self.corruption_ids)
         new = ids.clone()
         if n > 1:  # a token of the set: a uniformly drawn *different* one
-            shift = torch.randint(1, n, current.shape, generator=self.generator)
+            shift = torch.randint(1, n, current.shape, generator=generator)
             new = self.corruption_ids[(current + shift) % n]
         outside = current < 0
         if outside.any():  # a token outside the set: any token of it (drawn only when there are such tokens)
-            new[outside] = self.corruption_ids[torch.randint(0, n, (int(outside.sum()),), generator=self.generator)]
-        input_ids[chosen] = new
+            new[outside] = self.corruption_ids[torch.randint(0, n, (int(outside.sum()),), generator=generator)]
+        return new

@@ -21,6 +21,9 @@ class TaskDataModule(pl.LightningDataModule):
             validation and test batches are clean).
         num_workers: DataLoader workers.
         seed: seeds the training order and its corruption (`data.sampler`).
+        corruption_variants: None (default): training batches are corrupted afresh every epoch; `n`: each row has
+            `n` corrupted versions (seeded by row and epoch mod n) and training batches carry `row_index` and
+            `corruption_variant` (`data.sampler.SeededCollate`), the key of the background cache.
 
     Resuming: training batch `n` of a stage is a pure function of (seed, n), and the training loader
     (`data.sampler.ResumableLoader`) saves in every checkpoint how many batches the trainer has consumed (its
@@ -28,12 +31,13 @@ class TaskDataModule(pl.LightningDataModule):
     """
 
     def __init__(self, task: Task, rows: str, batch_size: int = 64, corruption_prob: CorruptionRate = 0.0,
-                 num_workers: int = 0, seed: int = 0) -> None:
+                 num_workers: int = 0, seed: int = 0, corruption_variants: int | None = None) -> None:
         super().__init__()
         if rows not in ("background", "experts"):
             raise ValueError(f"rows must be 'background' or 'experts', got {rows!r}")
         self.task, self.rows = task, rows
         self.batch_size, self.corruption_prob, self.num_workers, self.seed = batch_size, corruption_prob, num_workers, seed
+        self.corruption_variants = corruption_variants
 
     def dataset(self, split: str):
         return self.task.background_dataset(split) if self.rows == "background" else self.task.expert_dataset(split)
@@ -52,6 +56,7 @@ class TaskDataModule(pl.LightningDataModule):
             num_replicas=trainer.world_size if trainer is not None else 1,
             rank=trainer.global_rank if trainer is not None else 0,
             consumed=(lambda: trainer.global_step) if trainer is not None else None, num_workers=self.num_workers,
+            corruption_variants=self.corruption_variants,
         )
 
     def val_dataloader(self) -> DataLoader:

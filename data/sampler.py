@@ -107,26 +107,51 @@ class SeededCollate:
     """Collate keyed rows with `collator`, its corruption drawn from a generator seeded by the batch's first
     key: the same batch is corrupted the same way in any process, at any time.
 
+    With `variants = n`, each row is corrupted from its own generator, seeded by (row, epoch mod n): a row has
+    `n` corrupted versions, whatever batch it lands in, and the batch says which one it holds in two extra
+    columns, `row_index` (the row's index in the dataset) and `corruption_variant` (0 when the collator does not
+    corrupt). That pair is a key for what depends only on the corrupted input (the background's cached
+    distributions, `losses.background_cache`).
+
     Args:
         collator: a task's collator (`data.collate.Collator` or one holding one as `.corrupting`): its
             `generator` attribute is set for each batch.
         seed: the run's seed.
         label: names the row set; enters the seed.
+        variants: corrupted versions per row (None: one generator per batch, a fresh corruption every epoch).
     """
 
-    def __init__(self, collator: Callable[[list[dict]], dict], seed: int, label: str = "") -> None:
-        self.collator, self.seed, self.label = collator, seed, label
+    def __init__(self, collator: Callable[[list[dict]], dict], seed: int, label: str = "",
+                 variants: int | None = None) -> None:
+        if variants is not None and (not isinstance(variants, int) or isinstance(variants, bool) or variants < 1):
+            raise ValueError(f"corruption variants must be an integer >= 1 or None, got {variants!r}")
+        self.collator, self.seed, self.label, self.variants = collator, seed, label, variants
         self._targets = [c for c in (collator, getattr(collator, "corrupting", None)) if hasattr(c, "generator")]
         if not self._targets:
             raise ValueError(f"{type(collator).__name__} has no `generator` to seed")
+        self._corrupts = any(getattr(c, "high", 0.0) > 0.0 for c in self._targets)
 
     def __call__(self, items: list[tuple[Key, dict]]) -> dict:
         keys, rows = zip(*items, strict=True)
+        if self.variants is not None:
+            return self._per_row(keys, list(rows))
         epoch, position, _ = keys[0]
         generator = torch.Generator().manual_seed(derive_seed(self.seed, self.label, "corrupt", epoch, position))
         for target in self._targets:
             target.generator = generator
         return self.collator(list(rows))
+
+    def _per_row(self, keys: Sequence[Key], rows: list[dict]) -> dict:
+        variants = [epoch % self.variants if self._corrupts else 0 for epoch, _, _ in keys]
+        if self._corrupts:
+            generators = [torch.Generator().manual_seed(derive_seed(self.seed, self.label, "corrupt-row", row, v))
+                          for (_, _, row), v in zip(keys, variants, strict=True)]
+            for target in self._targets:
+                target.generator = generators
+        batch = self.collator(rows)
+        batch["row_index"] = torch.tensor([row for _, _, row in keys], dtype=torch.long)
+        batch["corruption_variant"] = torch.tensor(variants, dtype=torch.long)
+        return batch
 
 
 class ResumableLoader(DataLoader):
@@ -145,14 +170,15 @@ class ResumableLoader(DataLoader):
         num_replicas, rank: the data-parallel world.
         consumed: returns how many batches training has consumed (None: 0).
         num_workers: DataLoader workers.
+        corruption_variants: corrupted versions per row (`SeededCollate`; None: a fresh corruption every epoch).
     """
 
     def __init__(self, dataset: Any, collator: Callable[[list[dict]], dict], batch_size: int, seed: int,
                  label: str = "", num_replicas: int = 1, rank: int = 0, consumed: Callable[[], int] | None = None,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, corruption_variants: int | None = None) -> None:
         super().__init__(KeyedRows(dataset), batch_size=batch_size,
                          sampler=ResumableSampler(len(dataset), seed, label, num_replicas, rank),
-                         collate_fn=SeededCollate(collator, seed, label), num_workers=num_workers,
+                         collate_fn=SeededCollate(collator, seed, label, corruption_variants), num_workers=num_workers,
                          persistent_workers=num_workers > 0)
         self.consumed = consumed
 

@@ -23,7 +23,8 @@ from compose import ComposedLM
 from compose.common import eval_mode
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.optim import adamw_with_schedule
-from losses import IGNORE_INDEX, off_mask_divergence, task_nll
+from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
+from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
 from losses.features import FeatureMap, feature_divergence, feature_masks, owned_matrix
 
 
@@ -50,6 +51,11 @@ class ExpertLM(pl.LightningModule):
             marginal of `feature_map`, off the mask on the features an expert owns, everywhere on the others).
         feature_map, owned_features: the task's token bijection and, per expert name, the features it owns
             (default: all), for `regularizer="features"`.
+        background_top_k: None (default): the regularizer runs the background on every batch. An integer `k`:
+            the background's distribution at each off-mask target position is cached (`losses.background_cache`:
+            its top-k tokens and the tail mass) the first time a (row, corruption variant) is seen, and read
+            from the cache after that; training batches must carry `row_index` and `corruption_variant`
+            (`TaskDataModule(corruption_variants=n)`). Exact when `k` covers the vocabulary.
     """
 
     def __init__(
@@ -77,10 +83,17 @@ class ExpertLM(pl.LightningModule):
         regularizer: str = "token",
         feature_map: FeatureMap | None = None,
         owned_features: Mapping[str, Sequence[str]] | None = None,
+        background_top_k: int | None = None,
     ) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
+        self.background_cache: BackgroundCache | None = None
+        if background_top_k is not None:
+            if divergence not in CACHE_KINDS:
+                raise ValueError(f"background_top_k (the background cache) needs divergence in {', '.join(CACHE_KINDS)}, "
+                                 f"got {divergence!r}")
+            self.background_cache = BackgroundCache(background_top_k, temperatures=(temperature, 1.0))
         self.save_hyperparameters(ignore=["background", "feature_map"])
         self.names = list(names)
         self.feature_map = feature_map
@@ -185,7 +198,9 @@ class ExpertLM(pl.LightningModule):
         own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
         expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
         log_now = self.global_step % h.log_every_n_steps == 0
-        bg = self.background_logits(ids, attn) if (h.reg_weight > 0 or log_now) else None
+        bg = None
+        if h.reg_weight > 0 or log_now:
+            bg = self.background_logits(ids, attn) if self.background_cache is None else self.cached_background(batch)
         logits = self.expert_logits(ids, attn, expert_index)
         nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
         loss = nll
@@ -202,6 +217,25 @@ class ExpertLM(pl.LightningModule):
             loss = loss + 0.0 * sum(p.sum() for p in self.parameters() if p.requires_grad)
         return loss
 
+    @torch.no_grad()
+    def cached_background(self, batch: dict[str, Tensor]) -> BackgroundTopK:
+        """The background at the batch's off-mask target positions, from the cache (`background_top_k`); the rows
+        whose (row_index, corruption_variant) it has not seen yet go through the background once, and are added."""
+        if "row_index" not in batch or "corruption_variant" not in batch:
+            raise ValueError("background_top_k (the background cache) needs training batches keyed by row_index and "
+                             "corruption_variant: build the data module with corruption_variants=n")
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        keep = region_positions(batch["targets"], batch["masks"][:, 0], "off")
+        keys = list(zip(batch["row_index"].tolist(), batch["corruption_variant"].tolist(), strict=True))
+        missing = self.background_cache.missing(keys)
+        if missing:
+            rows = torch.tensor(missing, device=ids.device)
+            logits = self.background_logits(ids[rows], attn[rows])
+            self.background_cache.add([keys[i] for i in missing], logits[keep[rows]], keep[rows].sum(1).tolist())
+        if self._trainer is not None:
+            self.log("train/bg_cache_miss_rate", len(missing) / len(keys))
+        return self.background_cache.gather(keys, ids.device)
+
     def regularizer_loss(self, logits: Tensor, bg: Tensor, targets: Tensor, own_mask: Tensor,
                          expert_index: Tensor) -> Tensor:
         """The regularizer (before λ): `off_mask_divergence`, or with `regularizer="features"` the per-feature
@@ -217,13 +251,15 @@ class ExpertLM(pl.LightningModule):
 
     @torch.no_grad()
     def _log_per_expert(self, logits, bg, targets, own_mask, expert_index, is_task) -> None:
+        keep_row = region_positions(targets, own_mask, "off").nonzero(as_tuple=True)[0]  # row of each off-mask position
         for i, name in enumerate(self.names):
             rows = expert_index == i
             task_rows = rows & is_task
             if task_rows.any():
                 self.log(f"train/{name}/nll", task_nll(logits[task_rows], targets[task_rows]))
             if rows.any():
-                kl = off_mask_divergence(logits[rows], bg[rows], targets[rows], own_mask[rows], kind="forward_kl")
+                bg_rows = bg[rows[keep_row]] if isinstance(bg, BackgroundTopK) else bg[rows]
+                kl = off_mask_divergence(logits[rows], bg_rows, targets[rows], own_mask[rows], kind="forward_kl")
                 self.log(f"train/{name}/off_mask_kl", kl)
 
     # --- validation: each expert on its own data (the composition is evaluated by a callback) ---

@@ -74,7 +74,14 @@ def divergence(
         )
     lp_i = (expert_logits.float() / temperature).log_softmax(-1)
     lp_b = (background_logits.detach().float() / temperature).log_softmax(-1)
+    return logprob_divergence(lp_i, lp_b, kind, beta=beta)
 
+
+def logprob_divergence(lp_i: Tensor, lp_b: Tensor, kind: str = "forward_kl", *, beta: float = 0.5) -> Tensor:
+    """:func:`divergence` from normalized log-probs ``[..., V]`` (already tempered): ``lp_i`` of the expert,
+    ``lp_b`` of the background (not detached here). The categories need not be tokens: any partition of the
+    vocabulary into buckets (``losses.background_cache``) gives the divergence of the bucketed distributions.
+    """
     if kind == "forward_kl":
         return _kl(lp_b, lp_i)
     if kind == "reverse_kl":

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from losses.background_cache import BackgroundTopK, topk_divergence
 from losses.divergences import IGNORE_INDEX, divergence
 
 REGIONS = ("off", "on")
@@ -58,7 +59,7 @@ def task_nll(
 
 def off_mask_divergence(
     expert_logits: Tensor,
-    background_logits: Tensor,
+    background_logits: Tensor | BackgroundTopK,
     targets: Tensor,
     mask: Tensor,
     *,
@@ -74,7 +75,10 @@ def off_mask_divergence(
 
     Args:
         expert_logits: ``[B, T, V]`` expert logits (gradients flow here).
-        background_logits: ``[B, T, V]`` background logits or log-probs (treated as constant).
+        background_logits: ``[B, T, V]`` background logits or log-probs (treated as constant), or the
+            background cached at the off-mask target positions only (`losses.background_cache.BackgroundTopK`,
+            one entry per position of ``region_positions(targets, mask, "off")`` in row-major order): then
+            the divergence is :func:`losses.background_cache.topk_divergence`.
         targets: ``[B, T]`` target ids aligned with the logits, ``-100`` where not a target.
         mask: ``[B, T]`` bool, the expert's mask.
         kind, beta, temperature: see :func:`losses.divergence`.
@@ -90,10 +94,20 @@ def off_mask_divergence(
             raise ValueError(
                 f"row_weight has shape {tuple(row_weight.shape)}, expected [B] = [{targets.shape[0]}]"
             )
-        keep = keep & (row_weight.to(keep.device) != 0).unsqueeze(1)
-    per_position = divergence(
-        expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature
-    )
+        rows = (row_weight.to(keep.device) != 0).unsqueeze(1)
+        if isinstance(background_logits, BackgroundTopK):
+            background_logits = background_logits[rows.expand_as(keep)[keep]]
+        keep = keep & rows
+    if isinstance(background_logits, BackgroundTopK):
+        if len(background_logits) != int(keep.sum()):
+            raise ValueError(f"the cached background holds {len(background_logits)} positions but the batch has "
+                             f"{int(keep.sum())} off-mask target positions")
+        per_position = topk_divergence(expert_logits[keep], background_logits, kind, beta=beta,
+                                       temperature=temperature)
+    else:
+        per_position = divergence(
+            expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature
+        )
     return per_position.sum() / keep.sum().clamp_min(1)
 
 

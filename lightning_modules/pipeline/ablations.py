@@ -35,7 +35,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "own_kl_t1": ("both of the above (the first recipe: own rows, KL at T = 1, λ = 1)",
                   ["expert.reg_data=own", "expert.temperature=1", "expert.reg_weight=1"]),
     "log_ratio": ("tail-aware log-ratio divergence (T = 1, λ = 1)",
-                  ["expert.divergence=log_ratio", "expert.temperature=1", "expert.reg_weight=1"]),
+                  ["expert.divergence=log_ratio", "expert.temperature=1", "expert.reg_weight=1",
+                   "expert.background_cache=null"]),  # the cache cannot serve log_ratio
     "background_data": ("regularizer on background (copy) data instead of composed prefixes",
                         ["expert.reg_data=own+background"]),
     "random_rules": ("modular: prefixes rewritten by random rules drawn per row, no other expert's rules",

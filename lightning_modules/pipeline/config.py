@@ -116,6 +116,17 @@ class LoraSettings:
 
 
 @dataclass
+class BackgroundCacheConfig:
+    """`expert.background_cache`: the regularizer reads the background from a cache (`losses.background_cache`)
+    instead of running it on every batch: per off-mask position its `top_k` tokens and the tail mass, filled the
+    first time a (row, corruption variant) is trained on. Each row is corrupted in `variants` fixed ways (seeded
+    by row and epoch mod variants) instead of afresh every epoch, so epochs >= `variants` only read the cache."""
+
+    top_k: int = 64
+    variants: int = 1
+
+
+@dataclass
 class ExpertTrainingConfig:
     mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies) | head (output layer only)
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -134,6 +145,9 @@ class ExpertTrainingConfig:
     # task's feature map), off the expert's mask on the features it owns, everywhere on the others (losses/features.py)
     regularizer: str = "token"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # null: the background runs on every batch; {top_k, variants}: a cache of its top-k log-probs (README,
+    # "Benchmarks"). Needs divergence forward_kl, reverse_kl or jsd.
+    background_cache: BackgroundCacheConfig | None = None
 
 
 @dataclass
@@ -194,6 +208,7 @@ CHOICES = {
     "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
     "model.head": ("token", "factored"),
     "expert.regularizer": ("token", "features"),
+    "model.position_encoding": ("rope", "nope"),
 }
 
 
@@ -208,7 +223,6 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, prefix: str = "") -> ConfigError:
-    "model.position_encoding": ("rope", "nope"),
     key = getattr(err, "full_key", None) or ""
     key = f"{prefix}{key}" if key else key
     msg = (getattr(err, "msg", None) or str(err) or type(err).__name__).splitlines()[0]
@@ -351,6 +365,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.num_heads": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.intermediate_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.max_position_embeddings": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "model.rope_theta": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "expert.max_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),
@@ -365,7 +380,6 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.val_check_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1 (training steps)"),
     "trainer.log_every_n_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "trainer.num_sanity_val_steps": (lambda v: _int(v) and v >= -1, "an integer >= -1 (-1: all)"),
-    "model.rope_theta": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "trainer.limit_val_batches": (lambda v: (_int(v) and v >= 0) or (_number(v) and 0 <= v <= 1),
                                   "a fraction in [0.0, 1.0] or a whole number of batches >= 0"),
     "trainer.devices": (lambda v: _devices_ok(v), "an integer >= 1, -1 (all), 'auto', or a list of device "
@@ -469,6 +483,13 @@ def validate(cfg: DictConfig) -> None:
     if cfg.composition.compose_with and cfg.expert.mode != "lora":
         raise ConfigError(f"composition.compose_with needs expert.mode=lora (its experts are LoRA adapters), "
                           f"got expert.mode={cfg.expert.mode}")
+    if cfg.model.position_encoding != "rope" or cfg.model.rope_theta != ModelConfig.rope_theta:
+        key = "model.position_encoding" if cfg.model.position_encoding != "rope" else "model.rope_theta"
+        # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
+        if cfg.model.pretrained_path or cfg.model.arch != "llama":
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
+                              f"llama, no model.pretrained_path); got model.arch={cfg.model.arch}, "
+                              f"model.pretrained_path={cfg.model.pretrained_path}")
     if cfg.expert.mode == "head" and not is_pretrained(cfg) and cfg.model.arch == "gpt2":
         raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
                           "(use model.arch=llama or another expert.mode)")
@@ -480,16 +501,18 @@ def validate(cfg: DictConfig) -> None:
                           f"{cfg.expert.mode}, expert.lora.target_modules={head_targets}")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path} (give a .ckpt file or 'last')")
+    cache = cfg.expert.background_cache
+    if cache is not None:
+        for key in ("top_k", "variants"):
+            if not (_int(cache[key]) and cache[key] >= 1):
+                raise _bad(f"expert.background_cache.{key}", cache[key], "an integer >= 1")
+        if cfg.expert.divergence == "log_ratio":
+            raise ConfigError("expert.background_cache needs expert.divergence forward_kl, reverse_kl or jsd "
+                              "(log_ratio weighs every token alike: it needs the background's full distribution); "
+                              "set expert.background_cache=null")
     targets = cfg.expert.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
-    if cfg.model.position_encoding != "rope" or cfg.model.rope_theta != ModelConfig.rope_theta:
-        key = "model.position_encoding" if cfg.model.position_encoding != "rope" else "model.rope_theta"
-        # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
-        if cfg.model.pretrained_path or cfg.model.arch != "llama":
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
-                              f"llama, no model.pretrained_path); got model.arch={cfg.model.arch}, "
-                              f"model.pretrained_path={cfg.model.pretrained_path}")
         raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
                           "as all-linear, or null (automatic)")
 

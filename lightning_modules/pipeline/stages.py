@@ -402,6 +402,7 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         regularizer=e.regularizer, feature_map=plan.task.feature_map,
         owned_features={n: plan.task.owned_features(n) for n in plan.trained},
+        background_top_k=e.background_cache.top_k if e.background_cache is not None else None,
     )
 
 
@@ -410,7 +411,8 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     e, c = cfg.expert, cfg.composition
     # `data.batch_size` counts rows per expert: k experts train on k × batch_size rows.
     dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained), e.corruption_prob,
-                        cfg.data.num_workers, cfg.seed)
+                        cfg.data.num_workers, cfg.seed,
+                        corruption_variants=e.background_cache.variants if e.background_cache is not None else None)
     dm.dataset("train")
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
@@ -478,9 +480,9 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     }
     if features:  # a feature-space task (`compose.features.feature_metrics`)
         summary["composition"]["features"] = features
+    summary |= length_sweep(task, background, module, plan.trained, bs)
     if any("interval" in plan.specs[n] for n in plan.in_play):
         # Gated: each expert's factor only where its stopping-time detector says its interval is open.
-    summary |= length_sweep(task, background, module, plan.trained, bs)
         composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
         console.stage("composition", "decoding the compositional test rows again, gated")
         summary["composition"]["gated"] = task.evaluate_composition(composed, test_set, bs)
@@ -495,8 +497,6 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     return summary
 
 
-def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> dict:
-    """The same experts merged in parameter space, scored on the compositional test set.
 def length_sweep(task: Task, background: ComposedLM, module: ExpertLM | None, trained: list[str], batch_size: int) -> dict:
     """`{"length": ...}`: the background, each trained expert alone and the composition decoded at every input
     length the task asks for (`Task.evaluate_lengths`, e.g. `task.eval_lengths` of the letter task); `{}` if none."""
@@ -508,6 +508,8 @@ def length_sweep(task: Task, background: ComposedLM, module: ExpertLM | None, tr
     return {"length": results} if results else {}
 
 
+def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> dict:
+    """The same experts merged in parameter space, scored on the compositional test set.
 
     Also records how far task arithmetic's log-probs are from the composition's (METHOD.md §2: equal in
     the linear setting, apart elsewhere).
