@@ -13,6 +13,7 @@ import torch
 from compose import ComposedLM
 from data.tasks import Expert
 from data.tasks.letters import LettersConfig, LettersTask
+from lightning_modules.background import BackgroundLM, jumped_position_ids
 from lightning_modules.pipeline.config import ConfigError, ModelConfig, load_config
 from lightning_modules.pipeline.models import build_causal_lm, load_pretrained, position_options
 from lightning_modules.pipeline.report import LENGTH_PLOT, plot_accuracy_vs_length, write_report
@@ -67,6 +68,9 @@ def test_default_positions_build_the_model_as_before():
     ("task.n_per_length=0", "task.n_per_length=0"),
     ("model.arch=gpt2", "model.position_encoding=nope applies to a Llama built from scratch"),
     ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of rope, nope"),
+    ("background.position_jump=-1", "background.position_jump=-1: must be an integer >= 0"),
+    ("background.position_jump=100", "background.position_jump=100: position ids may reach 166 (the longest row, 67 "
+                                     "tokens, plus the jump), beyond model.max_position_embeddings"),
 ])
 def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_written(tmp_path, override, message):
     out = tmp_path / "run"
@@ -74,6 +78,43 @@ def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_writte
         plan_run(load_config([LENGTH], [f"output_dir={out}", override], base=DEFAULT))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not out.exists()
+
+
+def test_jumped_position_ids_shift_each_row_from_its_separator():
+    gen = torch.Generator().manual_seed(0)
+    start = torch.tensor([4, 6, 3])
+    pos = jumped_position_ids(start, 9, 5, gen)
+    for row, s in zip(pos, start.tolist(), strict=True):
+        assert row[: s - 1].tolist() == list(range(s - 1))  # <bos> x: plain
+        jump = int(row[s - 1]) - (s - 1)  # from the separator on: shifted by one jump
+        assert 0 <= jump <= 5 and row[s - 1:].tolist() == [t + jump for t in range(s - 1, 9)]
+    draws = jumped_position_ids(torch.full((2000,), 3), 4, 5, gen)[:, 3] - 3
+    assert set(draws.tolist()) == set(range(6))  # every jump in [0, max_jump] is drawn
+    assert jumped_position_ids(start, 9, 0).equal(torch.arange(9).expand(3, 9))
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.positions = torch.nn.Parameter(torch.zeros(7)), []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        self.positions.append(position_ids)
+        return type("Out", (), {"logits": self.w.expand(*input_ids.shape, 7)})()
+
+
+def test_background_training_jumps_positions_and_validation_does_not():
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": torch.ones(2, 6, dtype=torch.long),
+             "targets": torch.full((2, 6), 3), "output_start": torch.tensor([3, 4])}
+    for jump in (0, 4):
+        module = BackgroundLM(_Recorder(), position_jump=jump)
+        module.log = lambda *a, **k: None
+        module.training_step(batch, 0)
+        module.validation_step(batch, 0)
+        train, val = module.model.positions
+        assert val is None and (train is None) == (jump == 0)
+        if jump:
+            assert train[:, :2].equal(torch.arange(2).expand(2, 2)) and (train[:, -1] - 5).max() <= jump
 
 
 def test_length_inputs_have_the_length_avoid_training_inputs_and_are_reproducible():

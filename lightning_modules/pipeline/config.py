@@ -77,6 +77,10 @@ class BackgroundConfig:
     # Prefix corruption ρ (METHOD.md §5): teacher-forced output letters replaced at random, targets clean.
     # A number, or [low, high]: each row's rate drawn uniformly in that range (`data.collate.Collator`).
     corruption_prob: Any = 0.2
+    # Random position offset of each training row's output, in [0, position_jump] (0: none): no input-to-output
+    # distance can be learned as fixed (`lightning_modules.background.jumped_position_ids`; README, "Length
+    # generalization"). The ids then reach max row length + position_jump (checked against the model's limit).
+    position_jump: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -366,6 +370,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.intermediate_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.max_position_embeddings": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.rope_theta": (lambda v: _number(v) and v > 0, "a finite number > 0"),
+    "background.position_jump": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: plain positions)"),
     "expert.max_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),

@@ -228,6 +228,11 @@ def plan_run(cfg: DictConfig) -> Plan:
         raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
                           f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= {longest} "
                           f"or lower {key}")
+    jump = cfg.background.position_jump
+    if jump and not cfg.background.path and longest is not None and longest + jump > positions:
+        raise ConfigError(f"background.position_jump={jump}: position ids may reach {longest + jump - 1} (the longest "
+                          f"row, {longest} tokens, plus the jump), beyond model.max_position_embeddings={positions}: "
+                          f"raise it to >= {longest + jump} or lower background.position_jump")
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
             model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
@@ -376,9 +381,10 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     b = cfg.background
     seed_stage(cfg.seed, "background")
     model = build_causal_lm(cfg.model, plan.tokenizer, plan.task.feature_map)
-    print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}")
+    print(f"[background] {count_parameters(model):,} parameters, {b.max_steps} steps, corruption ρ={b.corruption_prob}"
+          + (f", output positions jump by up to {b.position_jump}" if b.position_jump else ""))
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
-                          warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps)
+                          warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps, position_jump=b.position_jump)
     dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
     merge_factored_head(model)  # a factored head is saved as the plain weight it computes
