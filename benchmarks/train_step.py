@@ -12,9 +12,15 @@ per expert (128 rows a step), inputs of 8–16 letters with prefix corruption 0.
   ``temperature`` and ``reg_data`` of ``configs/default.yaml``): adds one no-grad background forward
   (peft ``disable_adapter()``; the frozen copy in full fine-tuning). Every row of the table trains on the
   same batches, built with the recipe's ``reg_data``.
-* ``cached bg`` — the same loss (task NLL + λ·``losses.off_mask_divergence``) with the background
-  logits of each batch computed *before* the timed region. The framework has no such cache option:
-  this row is the bound a cache would give.
+* ``cached bg`` — the regularized step with the background cache on (``expert.background_cache``:
+  ``ExpertLM(background_top_k=--top-k)``, batches keyed by row and corruption variant): every timed batch
+  was seen before (its rows hit the cache), as in every epoch from the ``variants``-th on. The cache is
+  filled before the first repetition; the fill is timed apart (the line under the table).
+* ``cached bg, first sight`` — the same with an empty cache at the start of each fit: every batch misses,
+  runs the background forward and stores its top-k (the step of the first ``variants`` epochs).
+
+Every row trains on the same batches, collated with the cache's per-row corruption
+(``corruption_variants=1``); the rows without the cache ignore the key columns.
 
 Each step runs through Lightning (``Trainer.fit`` with automatic optimization, no logger, no
 checkpointing, no validation), timed from one ``on_train_batch_start`` to the next, so the figure is a
@@ -32,7 +38,12 @@ runs to ``max_new_tokens`` (the longest input + 2), one or two tokens more than 
 Usage::
 
     python benchmarks/train_step.py [--reps 5] [--steps 5] [--warmup 2] [--threads N] [--no-full]
-                                    [--background HF_FOLDER] [--out benchmarks/RESULTS_train_step.md]
+                                    [--background HF_FOLDER] [--top-k 64] [--no-validation]
+                                    [--config configs/experiment/smollm2_skills.yaml]
+                                    [--out benchmarks/RESULTS_train_step.md]
+
+``--config`` loads an experiment over the defaults (its model, task, batch size and recipe), e.g. SmolLM2-135M
+with its skill experts: ``--config configs/experiment/smollm2_skills.yaml --no-full --no-validation``.
 
 Before timing, the script reads the load average: above ``--max-load`` (1.0) it waits, polling every 15 s
 for up to ``--wait`` (180) s, and if the machine stays loaded it runs with 1 intra-op thread (unless
@@ -51,6 +62,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"regularized": 1.4, "cached bg": 1.1}  # DESIGN.md: ratio to the plain step
+CACHED, FIRST_SIGHT = "cached bg", "cached bg, first sight"
 
 
 def wait_for_quiet(max_load: float, wait_s: float, poll_s: float = 15.0) -> tuple[float, float, bool]:
@@ -74,48 +86,55 @@ def build(args):
     from data.datamodule import TaskDataModule
     from data.tasks import Expert, task_class
     from lightning_modules.pipeline.config import expert_spec, load_config, task_settings
+    from lightning_modules.pipeline.stages import model_tokenizer
 
-    cfg = load_config(base=ROOT / "configs" / "default.yaml")
-    cfg.task.n_train = args.batches * cfg.data.batch_size  # per expert: enough rows for the fixed batches
-    cfg.task.n_test = 1
+    cfg = load_config([str(c) for c in args.config], base=ROOT / "configs" / "default.yaml")
+    if "n_train" in cfg.task:  # a synthetic task: enough rows per expert for the fixed batches
+        cfg.task.n_train = args.batches * cfg.data.batch_size
+        cfg.task.n_test = 1
     pl.seed_everything(cfg.seed, verbose=False)
     # as the experts stage builds them: every expert trained, `data.batch_size` rows per expert per step
-    experts = [Expert(e.name, expert_spec(e), float(e.weight)) for e in cfg.experts]
-    task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed)
+    experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
+    task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed,
+                                     tokenizer=model_tokenizer(cfg))
     dm = TaskDataModule(task, "experts", cfg.data.batch_size * len(experts), cfg.expert.corruption_prob,
-                        cfg.data.num_workers, cfg.seed)
-    batches = list(dm.train_dataloader())[: args.batches]
+                        cfg.data.num_workers, cfg.seed, corruption_variants=1)
+    batches = []
+    for batch in dm.train_dataloader():
+        batches.append(batch)
+        if len(batches) == args.batches:
+            break
     return cfg, dm, task, batches
 
 
-def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: str | None):
-    """An ``ExpertLM`` of the default experiment, with a counter of background forwards and an optional
-    cache of background logits (``module.cache[batch_idx]``)."""
+def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: str | None,
+                top_k: int | None = None):
+    """An ``ExpertLM`` of the experiment, with a counter of background forwards; ``top_k``: the background
+    cache on (``background_top_k``)."""
     import torch
 
     from lightning_modules.expert import ExpertLM
-    from lightning_modules.pipeline.models import build_causal_lm, load_pretrained
+    from lightning_modules.pipeline.models import (
+        build_causal_lm,
+        load_options,
+        load_pretrained,
+        pretrained_folder,
+    )
 
     class BenchExpertLM(ExpertLM):
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
-            self.cache: dict[int, torch.Tensor] | None = None
             self.background_calls = 0
-            self._batch_idx = 0
-
-        def training_step(self, batch, batch_idx):
-            self._batch_idx = batch_idx
-            return super().training_step(batch, batch_idx)
 
         def background_logits(self, input_ids, attention_mask):
-            if self.cache is not None:
-                return self.cache[self._batch_idx]
             self.background_calls += 1
             return super().background_logits(input_ids, attention_mask)
 
     torch.manual_seed(cfg.seed)
+    background_path = background_path or cfg.background.path
     if background_path:
-        background = load_pretrained(background_path, tokenizer)
+        options = load_options(cfg.model, cfg.trainer, frozen=mode == "lora")
+        background = load_pretrained(pretrained_folder(background_path, "background.path"), tokenizer, **options)
     else:
         background = build_causal_lm(cfg.model, tokenizer)
     e = cfg.expert
@@ -123,18 +142,42 @@ def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: s
     return BenchExpertLM(
         background, [x.name for x in cfg.experts], mode=mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
         target_modules=target if isinstance(target, str) else list(target), reg_weight=reg_weight,
-        divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature, lr=e.optim.lr,
-        warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, log_every_n_steps=10**9,
+        divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
+        task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr,
+        warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, log_every_n_steps=10**9, background_top_k=top_k,
     )
 
 
-def fill_cache(module, batches) -> None:
-    """Background logits of every fixed batch, computed outside the timed region."""
-    module.cache = None
+def _targets(modules) -> str:
+    return f"{len(modules)} linear layers per block" if not isinstance(modules, str) else f"{modules} layers"
+
+
+def fill_cost(module, batches) -> tuple[float, float, int, int]:
+    """Fill the module's (empty) cache with every fixed batch: the ms per batch of that fill, of a plain
+    background forward of the same batch, the bytes the cache holds after it, and the vocabulary size."""
+    import torch
+
     module.eval()
-    module.cache = {i: module.background_logits(b["input_ids"], b["attention_mask"]) for i, b in enumerate(batches)}
+    with torch.no_grad():
+        start = time.perf_counter()
+        for batch in batches:
+            module.background_logits(batch["input_ids"], batch["attention_mask"])
+        forward = (time.perf_counter() - start) * 1e3 / len(batches)
+        start = time.perf_counter()
+        for batch in batches:
+            entry = module.cached_background(batch)
+        fill = (time.perf_counter() - start) * 1e3 / len(batches)
     module.train()
     module.background_calls = 0
+    return fill, forward, module.background_cache.nbytes(), entry.vocab_size
+
+
+def empty_cache(module) -> None:
+    """Forget every cached entry (the next fit sees each batch for the first time)."""
+    from losses.background_cache import BackgroundCache
+
+    old = module.background_cache
+    module.background_cache = BackgroundCache(old.top_k, old.temperatures)
 
 
 def timed_fit(module, batches, warmup: int, steps: int) -> tuple[float, int]:
@@ -204,6 +247,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows")
     parser.add_argument("--background", default=None, help="a trained background HF folder (default: random)")
+    parser.add_argument("--config", type=Path, action="append", default=[],
+                        help="an experiment YAML merged over the defaults (repeatable)")
+    parser.add_argument("--top-k", type=int, default=64, help="tokens per position in the background cache")
+    parser.add_argument("--no-validation", action="store_true", help="skip timing the validation/composition")
     parser.add_argument("--max-load", type=float, default=1.0)
     parser.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the load to drop")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
@@ -236,13 +283,14 @@ def main() -> None:
 
     cfg, dm, task, batches = build(args)
     modes = ["lora"] if args.no_full else ["lora", "full"]
-    kinds = {"plain": 0.0, "regularized": cfg.expert.reg_weight, "cached bg": cfg.expert.reg_weight}
-    modules = {}
+    lam = cfg.expert.reg_weight
+    kinds = {"plain": (0.0, None), "regularized": (lam, None), CACHED: (lam, args.top_k), FIRST_SIGHT: (lam, args.top_k)}
+    modules, fills = {}, {}
     for mode in modes:
-        for kind, lam in kinds.items():
-            module = make_module(cfg, task.tokenizer, mode, lam, args.background)
-            if kind == "cached bg":
-                fill_cache(module, batches)
+        for kind, (weight, top_k) in kinds.items():
+            module = make_module(cfg, task.tokenizer, mode, weight, args.background, top_k)
+            if kind == CACHED:
+                fills[mode] = fill_cost(module, batches)
             modules[mode, kind] = module
 
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in modules}
@@ -253,12 +301,15 @@ def main() -> None:
     timed_fit(modules["lora", "plain"], batches, 1, 1)  # first-fit warm-up (allocator, lazy imports)
     for _ in range(args.reps):
         for key, module in modules.items():
+            if key[1] == FIRST_SIGHT:
+                empty_cache(module)
             ms, calls = timed_fit(module, batches, args.warmup, args.steps)
             samples[key].append(ms)
             bg_calls[key] += calls
-        ms, total, comp_results = time_validation(modules["lora", "regularized"], dm, task, cfg)
-        comp_ms.append(ms)
-        val_ms.append(total)
+        if not args.no_validation:
+            ms, total, comp_results = time_validation(modules["lora", "regularized"], dm, task, cfg)
+            comp_ms.append(ms)
+            val_ms.append(total)
 
     med = {key: statistics.median(v) for key, v in samples.items()}
     lines = ["| mode | step | ms/step | ratio to plain | target | bg forwards on timed steps |",
@@ -269,37 +320,43 @@ def main() -> None:
         verdict = "" if target is None else f"≤ {target}× ({'met' if ratio <= target else 'missed'})"
         lines.append(f"| {mode} | {kind} | {med[mode, kind]:.1f} | {ratio:.2f}× | {verdict} | "
                      f"{bg_calls[mode, kind]} |")
+    for mode, (fill, forward, nbytes, vocab) in fills.items():
+        k = min(args.top_k, vocab)
+        rows = sum(len(b["input_ids"]) for b in batches)
+        lines += ["", f"{mode}: filling the cache (top-k = {k} of V = {vocab}{', exact' if k == vocab else ''}) "
+                      f"takes {fill:.1f} ms per batch against {forward:.1f} ms for the background forward alone "
+                      f"({fill / forward:.2f}×); it holds {nbytes / rows / 1e3:.1f} kB per row "
+                      f"({nbytes / 1e6:.1f} MB for {rows} rows)"]
     every = cfg.trainer.val_check_interval
-    comp, val = statistics.median(comp_ms), statistics.median(val_ms)
-    reg_window = every * med["lora", "regularized"]
-    plain_window = every * med["lora", "plain"]
     n_tokens = len(batches[0]["input_ids"]) * batches[0]["input_ids"].shape[1]
-    lines += [
-        "",
-        f"composition eval (`CompositionEvaluation` → `Task.composition_metrics` on {comp_results['n']} compositional "
-        f"val inputs): {comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
-        f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
-        f"({100 * comp / plain_window:.0f} % of {every} plain steps)",
-        "",
-        f"whole validation (`Trainer.validate`: per-expert loop on {comp_results['val_rows']} val rows + the "
-        f"composition): {val / 1e3:.2f} s → adds {100 * val / reg_window:.0f} % per {every} regularized steps",
-        "",
-        "The framework has no background-logit cache option: the `cached bg` rows precompute the background "
-        "logits outside the timed region and measure the bound a cache would give.",
-    ]
+    if not args.no_validation:
+        comp, val = statistics.median(comp_ms), statistics.median(val_ms)
+        reg_window = every * med["lora", "regularized"]
+        plain_window = every * med["lora", "plain"]
+        lines += [
+            "",
+            f"composition eval (`CompositionEvaluation` → `Task.composition_metrics` on {comp_results['n']} compositional "
+            f"val inputs): {comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
+            f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
+            f"({100 * comp / plain_window:.0f} % of {every} plain steps)",
+            "",
+            f"whole validation (`Trainer.validate`: per-expert loop on {comp_results['val_rows']} val rows + the "
+            f"composition): {val / 1e3:.2f} s → adds {100 * val / reg_window:.0f} % per {every} regularized steps",
+        ]
     load_end = os.getloadavg()[0]
+    exact_note = "" if args.no_validation else f"; composed exact match at the last eval {comp_results['exact_match']:.3f}"
     lines += [
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads{threads_note} on {os.cpu_count()} CPUs "
         f"(load average {load_start:.2f} at start, {load_ready:.2f} when timing began, {load_end:.2f} at end), "
         f"{platform.machine()}; batch {len(batches[0]['input_ids'])} rows × {batches[0]['input_ids'].shape[1]} "
         f"tokens (first batch, {n_tokens} positions); LoRA r={cfg.expert.lora.r} on "
-        f"{len(cfg.expert.lora.target_modules)} linear layers per block; regularizer λ={cfg.expert.reg_weight:g} · "
+        f"{_targets(cfg.expert.lora.target_modules)}; regularizer λ={cfg.expert.reg_weight:g} · "
         f"{cfg.expert.divergence} at T={cfg.expert.temperature:g}, reg_data={cfg.expert.reg_data}; "
         f"median of {args.steps} steps after "
         f"{args.warmup} warm-up, median of {args.reps} interleaved reps; background "
-        f"{args.background or 'untrained (random init)'}; composed exact match at the last eval "
-        f"{comp_results['exact_match']:.3f}; total {time.perf_counter() - t0:.0f} s "
+        f"{args.background or cfg.background.path or 'untrained (random init)'}"
+        f"{exact_note}; total {time.perf_counter() - t0:.0f} s "
         f"({waited:.0f} s of it waiting for the load to drop)",
     ]
     text = "\n".join(lines)
