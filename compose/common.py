@@ -20,12 +20,18 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
     """Put `module` in eval mode (peft needs it for per-row `adapter_names`) and restore every submodule's
     mode afterwards. Our adapters and models run without dropout, so gradients still flow unchanged."""
     modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+    # A big PeftModel has thousands of modules: skip eval()'s walk when they already are in eval mode (only the
+    # root, e.g. a fresh wrapper, may not be), and restore only what changed.
+    if any(training for _, training in modes[1:]):
+        module.eval()
+    else:
+        module.training = False
     try:
         yield
     finally:
         for m, training in modes:
-            m.training = training
+            if m.training != training:
+                m.training = training
 
 
 def check_vocab(tokenizer, vocab_size: int | None, where: str) -> None:

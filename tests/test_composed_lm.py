@@ -313,11 +313,12 @@ def test_stacked_lora_stack_pads_ranks_and_absent_experts_with_zeros():
 
     model = _mixed_lora_model(3)
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
-    lora_a, lora_b = clm._stack_lora(q_proj, ["e0", "e1", "e2"])
-    assert lora_a.shape == (3, 32, 4) and lora_b.shape == (3, 4, 32)
-    torch.testing.assert_close(lora_a[1, :, :2], q_proj.lora_A["e1"].weight.T)
-    torch.testing.assert_close(lora_b[1, :2], q_proj.lora_B["e1"].weight.T * q_proj.scaling["e1"])
-    assert not lora_a[1, :, 2:].any() and not lora_b[1, 2:].any() and not lora_a[2].any() and not lora_b[2].any()
+    lora_a, lora_b = clm._stack_lora(q_proj, ["e0", "e1", "e2"])  # block 0 is the background's
+    assert lora_a.shape == (4, 32, 4) and lora_b.shape == (4, 4, 32)
+    torch.testing.assert_close(lora_a[2, :, :2], q_proj.lora_A["e1"].weight.T)
+    torch.testing.assert_close(lora_b[2, :2], q_proj.lora_B["e1"].weight.T * q_proj.scaling["e1"])
+    assert not lora_a[2, :, 2:].any() and not lora_b[2, 2:].any()
+    assert not lora_a[[0, 3]].any() and not lora_b[[0, 3]].any()
     assert clm._stack_lora(model.get_base_model().model.layers[0].mlp.up_proj, ["e1", "e2"]) is None
 
 
