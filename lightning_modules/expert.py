@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from compose import ComposedLM
 from compose.common import eval_mode
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
+from lightning_modules.background import jumped_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
 from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
@@ -56,6 +57,9 @@ class ExpertLM(pl.LightningModule):
             its top-k tokens and the tail mass) the first time a (row, corruption variant) is seen, and read
             from the cache after that; training batches must carry `row_index` and `corruption_variant`
             (`TaskDataModule(corruption_variants=n)`). Exact when `k` covers the vocabulary.
+        position_jump: 0, or the largest random jump of the position ids at each training row's output, for the
+            expert and its background alike (`lightning_modules.background.jumped_position_ids`); not with
+            `background_top_k` (the cache holds one set of positions per row).
     """
 
     def __init__(
@@ -84,10 +88,13 @@ class ExpertLM(pl.LightningModule):
         feature_map: FeatureMap | None = None,
         owned_features: Mapping[str, Sequence[str]] | None = None,
         background_top_k: int | None = None,
+        position_jump: int = 0,
     ) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
+        if position_jump and background_top_k is not None:
+            raise ValueError("position_jump cannot be used with background_top_k (the background cache)")
         self.background_cache: BackgroundCache | None = None
         if background_top_k is not None:
             if divergence not in CACHE_KINDS:
@@ -136,26 +143,28 @@ class ExpertLM(pl.LightningModule):
         self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=active_threshold) for n in self.names})
 
     # --- forwards -----------------------------------------------------------------------------
-    def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor) -> Tensor:
+    def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
+                      position_ids: Tensor | None = None) -> Tensor:
         """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA."""
         if self.hparams.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             with eval_mode(self.model):
-                return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   adapter_names=adapter_names).logits
         out = None
         for i, name in enumerate(self.names):
             rows = (expert_index == i).nonzero(as_tuple=True)[0]
             if rows.numel() == 0:
                 continue
-            logits = self.experts[name](input_ids=input_ids[rows], attention_mask=attention_mask[rows]).logits
+            logits = self.experts[name](input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                                        position_ids=None if position_ids is None else position_ids[rows]).logits
             if out is None:
                 out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
             out = out.index_copy(0, rows, logits)
         return out
 
     @torch.no_grad()
-    def background_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def background_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """The background's logits: under LoRA, the same model with every adapter disabled.
 
         `disable_adapter()` is the `PeftModel`'s own (found under any DDP/FSDP wrapper: `peft_model`); the forward
@@ -163,13 +172,14 @@ class ExpertLM(pl.LightningModule):
         """
         if self.hparams.mode != "lora":
             with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
-                return self.background(input_ids=input_ids, attention_mask=attention_mask).logits
+                return self.background(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids).logits
         peft = self.peft_model
         with peft.disable_adapter(), eval_mode(self.model):
             # A wrapper that re-enabled adapters would silently regularize toward the expert.
             if any(not m.disable_adapters for m in self.model.modules() if isinstance(m, LoraLayer)):
                 raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         # Leaving disable_adapter() re-activates only peft's "active" adapter and freezes the others.
         peft.set_requires_grad(self.names, True)
         return logits
@@ -198,10 +208,13 @@ class ExpertLM(pl.LightningModule):
         own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
         expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
         log_now = self.global_step % h.log_every_n_steps == 0
-        bg = None
+        bg, positions = None, None
+        if h.position_jump:  # the same jumped positions for the expert and its background
+            positions = jumped_position_ids(batch["output_start"], ids.shape[1], h.position_jump).to(ids.device)
         if h.reg_weight > 0 or log_now:
-            bg = self.background_logits(ids, attn) if self.background_cache is None else self.cached_background(batch)
-        logits = self.expert_logits(ids, attn, expert_index)
+            bg = (self.background_logits(ids, attn, positions) if self.background_cache is None
+                  else self.cached_background(batch))
+        logits = self.expert_logits(ids, attn, expert_index, positions)
         nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
         loss = nll
         if h.reg_weight > 0:

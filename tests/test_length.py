@@ -190,3 +190,30 @@ def test_length_experiment_runs_end_to_end_in_its_fast_variant(tmp_path):
     assert all(0.0 <= v["composition"] <= 1.0 for v in summary["length"].values())
     assert json.loads((out / "background" / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
     assert "## Length generalization" in (out / "report.md").read_text() and (out / LENGTH_PLOT).is_file()
+
+
+def test_expert_training_gives_the_expert_and_its_background_the_same_jumped_positions():
+    from lightning_modules.expert import ExpertLM
+    from tests.tiny_models import tiny_model
+
+    module = ExpertLM(tiny_model(), ["a"], position_jump=4, target_modules=["q_proj", "v_proj"], log_every_n_steps=1)
+    module.log = lambda *a, **k: None
+    seen = {}  # the positions each forward gets (stand-ins return zero logits over the 32-token vocabulary)
+    module.background_logits = lambda ids, attn, pos: seen.setdefault("background", pos) is None or torch.zeros(
+        *ids.shape, 32)
+    module.expert_logits = lambda ids, attn, index, pos: seen.setdefault("expert", pos) is None or torch.zeros(
+        *ids.shape, 32, requires_grad=True)
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": torch.ones(2, 6, dtype=torch.long),
+             "targets": torch.full((2, 6), 3), "masks": torch.zeros(2, 1, 6, dtype=torch.bool),
+             "expert_index": torch.zeros(2, dtype=torch.long), "is_task": torch.ones(2, dtype=torch.long),
+             "task_on_mask": torch.ones(2, dtype=torch.long), "output_start": torch.tensor([3, 4])}
+    module.training_step(batch, 0)
+    assert seen["background"] is seen["expert"] and seen["expert"][:, :2].equal(torch.arange(2).expand(2, 2))
+    with pytest.raises(ValueError, match="position_jump cannot be used with background_top_k"):
+        ExpertLM(tiny_model(), ["a"], position_jump=4, background_top_k=8)
+
+
+def test_expert_position_jump_and_the_background_cache_are_refused_together(tmp_path):
+    with pytest.raises(ConfigError, match="expert.position_jump cannot be used with expert.background_cache"):
+        load_config([LENGTH], [f"output_dir={tmp_path / 'run'}", "expert.position_jump=4",
+                               "expert.background_cache={top_k: 8}"], base=DEFAULT)

@@ -145,6 +145,7 @@ class ExpertTrainingConfig:
     # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert)
     reg_data: str = "composition"
     task_loss_on_mask_only: bool = False
+    position_jump: int = 0  # as background.position_jump, for the experts' training rows (not with background_cache)
     # token: the divergence of next-token distributions off the mask | features: of each feature's marginal (the
     # task's feature map), off the expert's mask on the features it owns, everywhere on the others (losses/features.py)
     regularizer: str = "token"
@@ -371,6 +372,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.max_position_embeddings": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.rope_theta": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "background.position_jump": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: plain positions)"),
+    "expert.position_jump": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: plain positions)"),
     "expert.max_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),
@@ -495,6 +497,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
                               f"llama, no model.pretrained_path); got model.arch={cfg.model.arch}, "
                               f"model.pretrained_path={cfg.model.pretrained_path}")
+    if cfg.expert.position_jump and cfg.expert.background_cache is not None:
+        raise ConfigError("expert.position_jump cannot be used with expert.background_cache (the cache holds one set "
+                          "of positions per row): set one of them to 0 / null")
     if cfg.expert.mode == "head" and not is_pretrained(cfg) and cfg.model.arch == "gpt2":
         raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
                           "(use model.arch=llama or another expert.mode)")

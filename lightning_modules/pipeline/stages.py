@@ -228,11 +228,12 @@ def plan_run(cfg: DictConfig) -> Plan:
         raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
                           f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= {longest} "
                           f"or lower {key}")
-    jump = cfg.background.position_jump
-    if jump and not cfg.background.path and longest is not None and longest + jump > positions:
-        raise ConfigError(f"background.position_jump={jump}: position ids may reach {longest + jump - 1} (the longest "
-                          f"row, {longest} tokens, plus the jump), beyond model.max_position_embeddings={positions}: "
-                          f"raise it to >= {longest + jump} or lower background.position_jump")
+    key, jump = max((("background.position_jump", cfg.background.position_jump),
+                     ("expert.position_jump", cfg.expert.position_jump)), key=lambda item: item[1])
+    if jump and not is_pretrained(cfg) and longest is not None and longest + jump > positions:
+        raise ConfigError(f"{key}={jump}: position ids may reach {longest + jump - 1} (the longest row, {longest} "
+                          f"tokens, plus the jump), beyond model.max_position_embeddings={positions}: raise it to >= "
+                          f"{longest + jump} or lower {key}")
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
             model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
@@ -405,7 +406,7 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
         warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, frozen_adapters=plan.frozen_adapters,
         weights=plan.weights, active_threshold=cfg.composition.active_threshold,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        log_every_n_steps=cfg.trainer.log_every_n_steps, position_jump=e.position_jump,
         regularizer=e.regularizer, feature_map=plan.task.feature_map,
         owned_features={n: plan.task.owned_features(n) for n in plan.trained},
         background_top_k=e.background_cache.top_k if e.background_cache is not None else None,
