@@ -126,9 +126,9 @@ def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: s
             super().__init__(*a, **kw)
             self.background_calls = 0
 
-        def background_logits(self, input_ids, attention_mask):
+        def background_logits(self, *args, **kwargs):
             self.background_calls += 1
-            return super().background_logits(input_ids, attention_mask)
+            return super().background_logits(*args, **kwargs)
 
     torch.manual_seed(cfg.seed)
     background_path = background_path or cfg.background.path

@@ -248,9 +248,9 @@ class LossRecorder(ExpertLM):
         self.losses: list[float] = []
         self.background_calls = 0
 
-    def background_logits(self, input_ids, attention_mask):
+    def background_logits(self, *args, **kwargs):
         self.background_calls += 1
-        return super().background_logits(input_ids, attention_mask)
+        return super().background_logits(*args, **kwargs)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
