@@ -704,42 +704,72 @@ def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
     return True
 
 
-def _stack_lora(module: nn.Module, names: Sequence[str]) -> tuple[Tensor, Tensor] | None:
-    """One LoRA layer's experts stacked for batched matmuls over all ``k+1`` row blocks:
-    ``(A [k+1, d_in, r], B [k+1, r, d_out])``.
+class _StackedLoRA:
+    """The k experts' LoRA weights of one layer, stacked for batched matmuls over the ``k+1`` row blocks.
 
-    ``A[i] = A_iᵀ`` and ``B[i] = B_iᵀ · scaling_i`` for expert ``i`` (block ``i``; block 0, the background, is
-    zeros), zero-padded to the largest rank; an expert without an adapter on this layer gets zeros too (an
-    exact no-op). None when no expert adapts this layer.
+    ``lora_a [k+1, r, d_in]`` and ``lora_b [k+1, d_out, r]`` hold expert ``i``'s ``A_i``/``B_i`` in block ``i``
+    (peft's own layouts); block 0, the background's, is zeros, as are ranks below the largest and experts that
+    do not adapt this layer (exact no-ops). ``scale`` is every expert's LoRA scaling when they agree (a float),
+    else ``[k+1, 1, 1]``.
+
+    While it lives, the experts' peft parameters are views into these stacks instead of copies of them (their
+    own storage is released), so composing k experts holds their LoRA weights once; :meth:`release` gives them
+    contiguous storage of their own again. A parameter that does not own all of its storage (a view into FSDP's flat
+    parameters, say) or is a tensor subclass keeps it (then it is copied).
     """
-    present = [n for n in names if n in module.lora_A]
-    if not present:
-        return None
-    ref = module.lora_A[present[0]].weight
-    rank = max(module.lora_A[n].weight.shape[0] for n in present)
-    d_in, d_out = ref.shape[1], module.lora_B[present[0]].weight.shape[0]
-    lora_a = ref.new_zeros(len(names) + 1, d_in, rank)
-    lora_b = ref.new_zeros(len(names) + 1, rank, d_out)
-    for i, name in enumerate(names, start=1):
-        if name in module.lora_A:
+
+    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
+        present = [n for n in names if n in module.lora_A]
+        ref_a, ref_b = module.lora_A[present[0]].weight, module.lora_B[present[0]].weight
+        rank = max(module.lora_A[n].weight.shape[0] for n in present)
+        self.lora_a = ref_a.new_zeros(len(names) + 1, rank, ref_a.shape[1])
+        self.lora_b = ref_a.new_zeros(len(names) + 1, ref_b.shape[0], rank)
+        scales = {float(module.scaling[n]) for n in present}
+        common = next(iter(scales))
+        self.scale: float | Tensor = common
+        if len(scales) > 1:
+            per_block = [0.0] + [float(module.scaling[n]) if n in present else common for n in names]
+            self.scale = torch.tensor(per_block, dtype=ref_a.dtype, device=ref_a.device).view(-1, 1, 1)
+        self.shared: list[nn.Parameter] = []
+        for i, name in enumerate(names, start=1):
+            if name not in module.lora_A:
+                continue
             weight_a, weight_b = module.lora_A[name].weight, module.lora_B[name].weight
-            lora_a[i, :, : weight_a.shape[0]] = weight_a.T
-            lora_b[i, : weight_b.shape[1]] = weight_b.T * module.scaling[name]
-    return lora_a, lora_b
+            r = weight_a.shape[0]
+            for param, view in ((weight_a, self.lora_a[i, :r]), (weight_b, self.lora_b[i, :, :r])):
+                view.copy_(param.detach())
+                if _owns_storage(param):
+                    param.data = view
+                    self.shared.append(param)
+
+    def release(self) -> None:
+        """The shared parameters get contiguous storage of their own again (same values)."""
+        for param in self.shared:
+            param.data = param.data.clone(memory_format=torch.contiguous_format)
+        self.shared.clear()
 
 
-def _stacked_lora_forward(module: nn.Module, batch_size: int, lora_a: Tensor, lora_b: Tensor) -> Callable[..., Tensor]:
+def _owns_storage(param: Tensor) -> bool:
+    """A plain tensor that is all of its storage (not a view into a larger buffer such as FSDP's flat params)."""
+    data = param.data
+    return (type(data) is torch.Tensor and data.storage_offset() == 0 and data.is_contiguous()
+            and data.untyped_storage().nbytes() == data.numel() * data.element_size())
+
+
+def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA) -> Callable[..., Tensor]:
     """A LoRA layer's ``forward`` for the batch ``[background | expert 1 | … | expert k]`` of ``batch_size`` rows each.
 
     The base layer runs on all rows; then the input, viewed as ``[k+1, B·T, d_in]`` (the row blocks are
-    contiguous), gets ``x A_iᵀ B_iᵀ · s_i`` from two batched matmuls, the second accumulating into the output in
+    contiguous), gets ``s_i · x A_iᵀ B_iᵀ`` from two batched matmuls, the second accumulating into the output in
     place (block 0's zero weights add exactly 0 to the background). Four tensor ops per layer whatever k is:
     decoding is dominated by per-op overhead on small models. Plain ``nn.Linear`` base layers without hooks are
     called as ``F.linear`` (one module call less per layer and step).
     """
     base = module.base_layer
     plain = type(base) is nn.Linear and not (base._forward_hooks or base._forward_pre_hooks or "forward" in vars(base))
-    n, cast = lora_a.shape[0], lora_a.dtype
+    lora_a, lora_b = stacked.lora_a.transpose(1, 2), stacked.lora_b.transpose(1, 2)  # [n, d_in, r], [n, r, d_out]
+    n, cast, scale = lora_a.shape[0], lora_a.dtype, stacked.scale
+    alpha = scale if isinstance(scale, float) else 1.0
     rows = n * batch_size
 
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -751,10 +781,12 @@ def _stacked_lora_forward(module: nn.Module, batch_size: int, lora_a: Tensor, lo
             )
         blocks = x.reshape(n, -1, x.shape[-1])
         hidden = torch.bmm(blocks if blocks.dtype == cast else blocks.to(cast), lora_a)  # [k+1, B·T, r]
+        if not isinstance(scale, float):
+            hidden.mul_(scale)
         if result.dtype == cast and result.is_contiguous():
-            result.view(n, -1, result.shape[-1]).baddbmm_(hidden, lora_b)
+            result.view(n, -1, result.shape[-1]).baddbmm_(hidden, lora_b, alpha=alpha)
             return result
-        return result + torch.bmm(hidden, lora_b).view(result.shape).to(result.dtype)
+        return result + (torch.bmm(hidden, lora_b) * alpha).view(result.shape).to(result.dtype)
 
     return forward
 
@@ -765,23 +797,29 @@ def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> It
 
     Same arithmetic as peft's ``LoraLayer._mixed_batch_forward`` (base output, plus each adapter's
     ``B(A(x))·scaling`` on its own rows), but the rows of each component are a contiguous block, so the k
-    experts' LoRA weights of a layer are stacked once per call (:func:`_stack_lora`) and applied with two
-    batched matmuls on a view (:func:`_stacked_lora_forward`), instead of peft's per-step index lists,
-    gather/scatter and a loop over adapters in every layer. Each LoRA layer's ``forward`` is replaced for the
-    duration of the context (an instance attribute, removed afterwards).
+    experts' LoRA weights of a layer are stacked once per call (:class:`_StackedLoRA`, sharing storage with
+    the peft parameters) and applied with two batched matmuls on a view (:func:`_stacked_lora_forward`),
+    instead of peft's per-step index lists, gather/scatter and a loop over adapters in every layer. Each LoRA
+    layer's ``forward`` is replaced for the duration of the context (an instance attribute, removed afterwards).
     """
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    stacks: list[_StackedLoRA | None] = []
     try:
         for m in layers:
-            stacked = _stack_lora(m, names)
+            stacked = _StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None
+            stacks.append(stacked)
             # straight into the instance dict: nn.Module.__setattr__ costs ~10 µs a layer and call
             vars(m)["forward"] = (m.base_layer.__call__ if stacked is None
-                                  else _stacked_lora_forward(m, batch_size, *stacked))
+                                  else _stacked_lora_forward(m, batch_size, stacked))
         yield
     finally:
-        for m in layers:
+        for m, stacked in zip(layers, stacks, strict=False):  # layer by layer: one layer's stack is freed before the next copy
+            vars(m).pop("forward", None)
+            if stacked is not None:
+                stacked.release()
+        for m in layers[len(stacks):]:
             vars(m).pop("forward", None)
 
 

@@ -299,6 +299,7 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
     # The layers' forwards are restored and no module was added or dropped.
     assert set(model.state_dict()) == state
     assert not any("forward" in vars(m) for m in model.modules())
+    assert all(clm._owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
     separate = ComposedLM(plain_copy(model), [merged_copy(model, n) for n in names], weights=weights, names=names)
     torch.testing.assert_close(separate.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(separate.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
@@ -308,18 +309,32 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
 
 
-def test_stacked_lora_stack_pads_ranks_and_absent_experts_with_zeros():
+def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storage():
     import compose.composed_lm as clm
 
     model = _mixed_lora_model(3)
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
-    lora_a, lora_b = clm._stack_lora(q_proj, ["e0", "e1", "e2"])  # block 0 is the background's
-    assert lora_a.shape == (4, 32, 4) and lora_b.shape == (4, 4, 32)
-    torch.testing.assert_close(lora_a[2, :, :2], q_proj.lora_A["e1"].weight.T)
-    torch.testing.assert_close(lora_b[2, :2], q_proj.lora_B["e1"].weight.T * q_proj.scaling["e1"])
-    assert not lora_a[2, :, 2:].any() and not lora_b[2, 2:].any()
-    assert not lora_a[[0, 3]].any() and not lora_b[[0, 3]].any()
-    assert clm._stack_lora(model.get_base_model().model.layers[0].mlp.up_proj, ["e1", "e2"]) is None
+    weight_a, weight_b = q_proj.lora_A["e1"].weight, q_proj.lora_B["e1"].weight
+    before = weight_a.detach().clone(), weight_b.detach().clone()
+    stacked = clm._StackedLoRA(q_proj, ["e0", "e1", "e2"])  # block 0 is the background's
+    assert stacked.lora_a.shape == (4, 4, 32) and stacked.lora_b.shape == (4, 32, 4)
+    assert stacked.scale == 2.0  # e0 and e1 both scale by alpha / r = 2: one float for baddbmm
+    torch.testing.assert_close(stacked.lora_a[2, :2], before[0], atol=0, rtol=0)
+    torch.testing.assert_close(stacked.lora_b[2, :, :2], before[1], atol=0, rtol=0)
+    assert not stacked.lora_a[2, 2:].any() and not stacked.lora_b[2, :, 2:].any()
+    assert not stacked.lora_a[[0, 3]].any() and not stacked.lora_b[[0, 3]].any()
+    k_proj = model.get_base_model().model.layers[0].self_attn.k_proj  # e0 scales by 2, e2 by 1: per block
+    mixed = clm._StackedLoRA(k_proj, ["e0", "e1", "e2"])
+    assert isinstance(mixed.scale, torch.Tensor) and mixed.scale.flatten()[[1, 3]].tolist() == [2.0, 1.0]
+    mixed.release()
+    # The peft parameters are views into the stacks (one copy of the weights), then get their own storage back.
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    assert storage(weight_a) == storage(stacked.lora_a) and storage(weight_b) == storage(stacked.lora_b)
+    stacked.release()
+    assert clm._owns_storage(weight_a) and clm._owns_storage(weight_b)
+    assert torch.equal(weight_a, before[0]) and torch.equal(weight_b, before[1])
 
 
 # ---------------------------------------------------------------------------------------------- long sequences
