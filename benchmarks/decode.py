@@ -89,10 +89,10 @@ def load_background(name: str, device: str, dtype: torch.dtype, seed: int = 0) -
 
 
 def with_lora_experts(model, k: int, seed: int = 0):
-    """``model`` wrapped (in place) in a PeftModel with k random LoRA adapters ``e1 … ek``."""
-    peft_model = get_peft_model(model, LoraConfig(**LORA), adapter_name="e1")
+    """``model`` wrapped (in place) in a PeftModel with k random LoRA adapters ``e1 … ek`` in the model's dtype."""
+    peft_model = get_peft_model(model, LoraConfig(**LORA), adapter_name="e1", autocast_adapter_dtype=False)
     for i in range(2, k + 1):
-        peft_model.add_adapter(f"e{i}", LoraConfig(**LORA))
+        peft_model.add_adapter(f"e{i}", LoraConfig(**LORA), autocast_adapter_dtype=False)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
