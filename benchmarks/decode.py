@@ -125,19 +125,35 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(runner, ids: torch.Tensor, n: int, device: str) -> float:
-    """Seconds to decode ``n`` tokens after ``ids`` (prefill included)."""
-    _sync(device)
-    start = time.perf_counter()
+def decode(runner, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` greedy tokens after ``ids``, EOS disabled."""
     if isinstance(runner, ComposedLM):
         out = runner.generate(ids, max_new_tokens=n, eos_token_id=[])  # [] = no EOS stopping
     else:
         out = runner.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
-    _sync(device)
-    elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + n, out.shape
-    return elapsed
+    return out
+
+
+def run(runner, ids: torch.Tensor, n: int, device: str) -> float:
+    """Seconds to decode ``n`` tokens after ``ids`` (prefill included)."""
+    _sync(device)
+    start = time.perf_counter()
+    decode(runner, ids, n)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def checks(runners: dict, ids: torch.Tensor, n: int) -> list[str]:
+    """Token-for-token agreement: the loop with no experts vs HF ``generate``; adapters vs separate."""
+    pairs = [("background", "HF generate")] + [
+        (f"adapters {key.split()[1]}", key) for key in runners if key.startswith("separate")]
+    results = []
+    for a, b in pairs:
+        same = torch.equal(decode(runners[a][0], ids, n), decode(runners[b][0], ids, n))
+        results.append(f"{a} {'=' if same else '≠'} {b}")
+    return results
 
 
 def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, device: str):
@@ -146,6 +162,7 @@ def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, d
     inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in runners.items()}
     for key, (runner, _) in runners.items():  # warm-up
         run(runner, inputs[key], 2, device)
+    agreement = checks(runners, ids, new_tokens)
     per_token: dict[str, list[float]] = {k: [] for k in runners}
     prefill: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(reps):
@@ -155,7 +172,7 @@ def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, d
             per_token[key].append((full - first) / new_tokens * 1e3)
             prefill[key].append(first * 1e3)
     med = statistics.median
-    return {k: med(v) for k, v in per_token.items()}, {k: med(v) for k, v in prefill.items()}
+    return {k: med(v) for k, v in per_token.items()}, {k: med(v) for k, v in prefill.items()}, agreement
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -250,11 +267,13 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
-    baselines = []
+    baselines, notes = [], []
     for name in args.models:
         n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
-            t, pre = measure(runners, vocab, batch, args.new_tokens, args.reps, args.device)
+            t, pre, agreement = measure(runners, vocab, batch, args.new_tokens, args.reps, args.device)
+            notes.append(f"{name} B={batch}: " + ", ".join(agreement))
+            print("check: " + notes[-1], flush=True)
             mem = None
             if args.memory:
                 mem = {k: memory_in_subprocess(args, name, batch, k) for k in [0, *args.experts]}
@@ -273,6 +292,7 @@ def main() -> None:
            if baselines and args.device == "cpu" else "")
         + f"; total {time.perf_counter() - t0:.0f} s"
     )
+    setup += "\n\nGreedy outputs token for token (" + str(args.new_tokens) + " tokens): " + "; ".join(notes)
     print(setup)
     if args.out is not None:
         args.out.write_text(
