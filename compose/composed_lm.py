@@ -325,6 +325,53 @@ class ComposedLM(nn.Module):
         return lp[0], lp[1:]
 
     @torch.no_grad()
+    def component_logit_blocks(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, chunk_size: int | None = None
+    ) -> Iterator[tuple[slice, Tensor]]:
+        """Teacher-forced logits of every component, one block of positions at a time.
+
+        The models run once over all positions (keeping only the hidden states their output heads take);
+        each block then runs the heads on ``chunk_size`` positions, so at most ``(k+1)·B·chunk_size·V`` float32
+        logits exist at once, never ``(k+1)·B·T·V``. A model whose head cannot be run on its own (see
+        :func:`_hidden_and_head`) yields one block of all positions.
+
+        Args:
+            input_ids, attention_mask: as in :meth:`component_logprobs`.
+            chunk_size: positions per block (default: as many as keep one block within ``SCORE_CHUNK_BYTES``,
+                see :func:`score_chunk_size`).
+
+        Yields:
+            ``(positions, logits)``: a slice of the ``T`` axis and float32 ``[k+1, B, c, V]`` (background first).
+        """
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+        input_ids = input_ids.to(self.device)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        n = self.num_experts + 1
+        position_ids = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            position_ids = _position_ids(attention_mask)
+        with self._running(batch):
+            heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
+            if heads is None:  # an output head we cannot call on its own: all positions at once
+                yield slice(0, length), self._forward(input_ids, attention_mask, position_ids, None, last_only=False)
+                return
+            out_dim, config_vocab = _vocab_sizes(self._base_model())[::-1]
+            chunk = chunk_size or score_chunk_size(n, batch, out_dim or config_vocab or 1)
+            for start in range(0, length, chunk):
+                positions = slice(start, min(start + chunk, length))
+                if len(heads) == 1:  # the adapters backend's (k+1)·B rows, one head call
+                    head, hidden = heads[0]
+                    logits = head(hidden[:, positions]).float()
+                else:
+                    logits = torch.stack([head(hidden[:, positions]).float() for head, hidden in heads])
+                yield positions, logits.view(n, batch, *logits.shape[-2:])
+                del logits
+
+    @torch.no_grad()
     def score(
         self,
         input_ids: Tensor,
@@ -335,51 +382,26 @@ class ComposedLM(nn.Module):
     ) -> Tensor:
         """Composed, normalized next-token log-probs ``[B, T, V]`` (teacher-forced, float32).
 
-        The models run once over all positions; their output heads, the float32 log-softmax and the
-        composition then run over blocks of ``chunk_size`` positions, so besides the ``[B, T, V]`` result
-        at most ``(k+1)·B·chunk_size·V`` float32 logits are held at once, never ``(k+1)·B·T·V``.
+        Composed block by block of positions (:meth:`component_logit_blocks`): besides the ``[B, T, V]``
+        result, at most ``(k+1)·B·chunk_size·V`` float32 logits (and the composition's temporaries of that
+        size) are held at once, never ``(k+1)·B·T·V``.
 
         Args:
             input_ids: ``[B, T]`` token ids.
             attention_mask: optional ``[B, T]`` (left or right padding; needed whenever the batch is padded).
             masks: optional bool ``[k, B, T]``; where False that expert's factor is 1 (gated composition).
-            chunk_size: positions per block (default: as many as keep one block's logits within
-                ``SCORE_CHUNK_BYTES``, see :func:`score_chunk_size`).
+            chunk_size: positions per block (default: see :func:`score_chunk_size`).
         """
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
-        input_ids = input_ids.to(self.device)
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
-        batch, length = input_ids.shape
-        position_ids = None
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-            position_ids = _position_ids(attention_mask)
         if masks is not None:
             masks = masks.to(self.device)
-        with self._running(batch):
-            heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
-            if heads is None:  # an output head we cannot call on its own: all positions at once
-                logits = self._forward(input_ids, attention_mask, position_ids, caches=None, last_only=False)
-                return compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
-            out_dim, config_vocab = _vocab_sizes(self._base_model())[::-1]
-            chunk = chunk_size or score_chunk_size(self.num_experts + 1, batch, out_dim or config_vocab or 1)
-            out = None
-            for start in range(0, length, chunk):
-                positions = slice(start, start + chunk)
-                if len(heads) == 1:  # the adapters backend's (k+1)·B rows, one head call
-                    head, hidden = heads[0]
-                    logits = head(hidden[:, positions]).float()
-                else:
-                    logits = torch.stack([head(hidden[:, positions]).float() for head, hidden in heads])
-                logits = logits.view(self.num_experts + 1, batch, *logits.shape[-2:])
-                block = compose_logprobs(logits[0], logits[1:], self.weights,
-                                         None if masks is None else masks[:, :, positions], self.min_logprob)
-                del logits
-                if out is None:
-                    out = block.new_empty(batch, length, block.shape[-1])
-                out[:, positions] = block
+        out = None
+        for positions, logits in self.component_logit_blocks(input_ids, attention_mask, chunk_size=chunk_size):
+            block = compose_logprobs(logits[0], logits[1:], self.weights,
+                                     None if masks is None else masks[:, :, positions], self.min_logprob)
+            del logits
+            if out is None:
+                out = block.new_empty(block.shape[0], input_ids.shape[1], block.shape[-1])
+            out[:, positions] = block
         return out
 
     def _final_hidden_states(

@@ -375,6 +375,11 @@ def test_chunked_score_equals_unchunked_and_holds_one_block_of_logits(monkeypatc
         assert sum(s[2] for s in composed_shapes) == 11  # every position composed exactly once
     with pytest.raises(ValueError, match="chunk_size must be a positive"):
         composed.score(ids, chunk_size=0)
+    blocks = list(composed.component_logit_blocks(ids, chunk_size=4))
+    assert [p for p, _ in blocks] == [slice(0, 4), slice(4, 8), slice(8, 11)]
+    lp = torch.cat([logits for _, logits in blocks], dim=2).log_softmax(-1)
+    torch.testing.assert_close(lp[0], bg, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp[1:], ex, atol=1e-5, rtol=0)
 
 
 def test_score_chunk_size_fits_the_budget():
