@@ -393,6 +393,9 @@ class ComposedLM(nn.Module):
             chunk_size: positions per block (default: see :func:`score_chunk_size`).
         """
         if masks is not None:
+            expected = (self.num_experts, *input_ids.shape)
+            if tuple(masks.shape) != expected:
+                raise ValueError(f"masks has shape {tuple(masks.shape)}, expected {expected} ([k, B, T])")
             masks = masks.to(self.device)
         out = None
         for positions, logits in self.component_logit_blocks(input_ids, attention_mask, chunk_size=chunk_size):
@@ -837,7 +840,8 @@ def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> It
                                   else _stacked_lora_forward(m, batch_size, stacked))
         yield
     finally:
-        for m, stacked in zip(layers, stacks, strict=False):  # layer by layer: one layer's stack is freed before the next copy
+        # layer by layer, so one layer's stack is freed before the next layer's copies are made
+        for m, stacked in zip(layers, stacks, strict=False):
             vars(m).pop("forward", None)
             if stacked is not None:
                 stacked.release()
