@@ -275,6 +275,7 @@ def test_cache_needs_keyed_batches_and_a_cacheable_divergence(task):
     ("expert.background_cache.variants=1.5", "expert.background_cache.variants"),
     ("expert.background_cache.topk=8", "unknown config key 'expert.background_cache.topk'"),
     ("expert.divergence=log_ratio", "expert.background_cache needs expert.divergence"),
+    ("trainer.strategy=fsdp", "expert.background_cache cannot run with trainer.strategy=fsdp"),
 ])
 def test_bad_background_cache_config_is_refused_by_name(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):

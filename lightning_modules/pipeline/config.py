@@ -520,6 +520,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("expert.background_cache needs expert.divergence forward_kl, reverse_kl or jsd "
                               "(log_ratio weighs every token alike: it needs the background's full distribution); "
                               "set expert.background_cache=null")
+        if "fsdp" in cfg.trainer.strategy or "deepspeed_stage_3" in cfg.trainer.strategy:
+            # Each rank runs the background only on the rows it has not cached: a sharded forward (a collective)
+            # entered by some ranks and not others would hang.
+            raise ConfigError(f"expert.background_cache cannot run with trainer.strategy={cfg.trainer.strategy} "
+                              "(sharded weights: the ranks' background forwards must stay in step); use ddp, or set "
+                              "expert.background_cache=null")
     targets = cfg.expert.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
