@@ -12,11 +12,13 @@ Scoring is teacher-forced; generation prefills the prompt once and then feeds on
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -460,6 +462,7 @@ class ComposedLM(nn.Module):
         generator: torch.Generator | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
+        lazy: bool = False,
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
@@ -490,6 +493,11 @@ class ComposedLM(nn.Module):
                 contains one of these strings (transformers' ``StopStringCriteria``); it is then padded
                 like a row that emitted EOS. The stop string stays in the output.
             tokenizer: the tokenizer ``stop_strings`` are matched with (default: :attr:`tokenizer`).
+            lazy: with gates (gated composition), skip the forward of every expert whose gate is closed on all
+                unfinished rows; when it opens, one prefill of the tokens it missed brings its KV cache up to
+                date. Same tokens as without it (up to floating-point rounding of the logits); the adapters
+                backend then runs the background and the open experts as one batch of row blocks. Ignored
+                without gates.
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
@@ -524,13 +532,18 @@ class ComposedLM(nn.Module):
 
         batch = input_ids.shape[0]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        with self._running(batch):
-            caches = self._new_caches()
-            position_ids = _position_ids(attention_mask)
-            logits = self._forward(input_ids, attention_mask, position_ids, caches, last_only=True)[:, :, -1]
+        lazy = bool(lazy) and gates is not None
+        with self._decoding(batch, lazy) as decode:
+            positions = _position_ids(attention_mask)
             for step in range(max_new_tokens):
                 masks = _gate_masks(gates, input_ids, device)
-                scores = compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
+                active = _active_experts(masks, unfinished) if lazy else None
+                logits = decode(input_ids, attention_mask, positions, active)
+                if active is None:
+                    scores = compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
+                else:  # the skipped experts' gates are closed on every unfinished row: their factor is 1 there
+                    weights = [self.weights[i] for i in active]
+                    scores = compose_logprobs(logits[0], logits[1:], weights, masks[active], self.min_logprob)
                 if do_sample:
                     scores = processors(input_ids, scores)
                     probs = scores.softmax(-1)
@@ -547,9 +560,22 @@ class ComposedLM(nn.Module):
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
                 if step == max_new_tokens - 1 or not bool(unfinished.any()):
                     break
-                position_ids = position_ids[:, -1:] + 1
-                logits = self._forward(next_tokens[:, None], attention_mask, position_ids, caches, True)[:, :, -1]
+                positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
         return input_ids
+
+    @contextmanager
+    def _decoding(self, batch_size: int, lazy: bool) -> Iterator[_PlainSteps | _LazySteps]:
+        """Eval mode and the step function of :meth:`generate`: every component each step, or the lazy one."""
+        if not lazy:
+            with self._running(batch_size):
+                yield _PlainSteps(self)
+            return
+        with eval_mode(self):
+            if self.backend != "adapters":
+                yield _LazySteps(self)
+                return
+            with _lora_blocks(self.model, self.names, batch_size) as select:
+                yield _LazySteps(self, select)
 
     def _special_tokens(
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
@@ -657,6 +683,11 @@ def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: tor
             raise ValueError(f"gate {i} returned {value.numel()} values for a batch of {prefix.shape[0]}")
         rows.append(value)
     return torch.stack(rows)
+
+
+def _active_experts(masks: Tensor, unfinished: Tensor) -> list[int]:
+    """Experts whose gate is open on some unfinished row (``masks [k, B]``, ``unfinished [B]``)."""
+    return torch.nonzero((masks & unfinished).any(-1)).flatten().tolist()
 
 
 SCORE_CHUNK_BYTES = 1 << 28  # float32 logits of one block of `ComposedLM.score` (256 MiB)
@@ -937,3 +968,217 @@ def _check_tokenizers(tokenizer, labels: list[str]):
             diff = {k: (special[k], ref_special[k]) for k in special if special[k] != ref_special[k]}
             raise ValueError(f"{label} has different special tokens than the background: {diff}")
     return tokenizer[0]
+
+
+# ---------------------------------------------------------------------- lazy gated decoding
+
+
+class _PlainSteps:
+    """Decoding steps that run every component (the ``(k+1)·B`` batch, or every model) on every new token."""
+
+    def __init__(self, lm: ComposedLM) -> None:
+        self.lm, self.caches, self.held = lm, lm._new_caches(), 0
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
+                 active: list[int] | None) -> Tensor:
+        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
+        new = slice(self.held, input_ids.shape[1])
+        self.held = input_ids.shape[1]
+        return self.lm._forward(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
+
+
+class _LazySteps:
+    """Decoding steps that run the background and only the ``active`` experts (lazy gated composition).
+
+    Each component's KV cache records how many tokens it holds (``held``); an expert skipped while its interval
+    was closed is brought up to date, when it is next active, by one forward of all the tokens it missed (its
+    catch-up prefill), with the same attention mask and position ids as the plain path, so its logits equal the
+    plain path's (up to floating-point rounding of a multi-token forward).
+
+    *separate*: one forward per active component of its missed tokens. *adapters*: the background and the
+    active experts run as one batch of row blocks over one merged cache (:func:`_lora_blocks`); when the active
+    set changes, the merged cache is split into per-component caches, the joining experts catch up alone, and
+    the new set's caches are merged again (copies only at interval boundaries).
+    """
+
+    def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None) -> None:
+        self.lm, self.select = lm, select
+        n = lm.num_experts + 1
+        self.held = [0] * n
+        if lm.backend == "adapters":
+            self.config = lm._base_model().config
+            self.group: tuple[int, ...] = ()
+            self.group_cache = DynamicCache(config=self.config)
+            self.parked: dict[int, DynamicCache] = {}
+        else:
+            self.models = [lm.background, *lm.experts]
+            self.caches = [DynamicCache(config=m.config) for m in self.models]
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, active: list[int]) -> Tensor:
+        """Logits ``[1 + len(active), B, V]`` (float32): the background's, then the active experts' in order."""
+        components = (0, *(i + 1 for i in active))
+        if self.lm.backend == "adapters":
+            return self._blocks_step(components, input_ids, attention_mask, positions)
+        out = []
+        for c in components:
+            new = slice(self.held[c], input_ids.shape[1])
+            out.append(_last_logits(self.models[c], input_ids[:, new], attention_mask, positions[:, new], self.caches[c]))
+            self.held[c] = input_ids.shape[1]
+        return torch.stack(out)
+
+    def _blocks_step(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
+                     positions: Tensor) -> Tensor:
+        if components != self.group:
+            self._regroup(components, input_ids, attention_mask, positions)
+        new = slice(self.held[0], input_ids.shape[1])
+        n, batch = len(components), input_ids.shape[0]
+        self.select(components)
+        logits = _last_logits(self.lm._base_model(), input_ids[:, new].repeat(n, 1), attention_mask.repeat(n, 1),
+                              positions[:, new].repeat(n, 1), self.group_cache)
+        for c in components:
+            self.held[c] = input_ids.shape[1]
+        return logits.view(n, batch, -1)
+
+    def _regroup(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
+                 positions: Tensor) -> None:
+        """Split the merged cache, catch the joining experts up to the background, merge the new group's caches."""
+        if self.group:
+            parts = _split_cache(self.group_cache, len(self.group))
+            for c, part in zip(self.group, parts, strict=True):
+                self.parked[c] = part if c in components else _cloned_cache(part)
+        length = self.held[0]
+        caches = []
+        for c in components:
+            cache = self.parked.pop(c, None)
+            cache = DynamicCache(config=self.config) if cache is None else cache
+            if self.held[c] < length:  # one prefill of the tokens it missed (never the background: held[0] = length)
+                missed = slice(self.held[c], length)
+                self.select((c,))
+                _last_logits(self.lm._base_model(), input_ids[:, missed], attention_mask[:, :length],
+                             positions[:, missed], cache)
+                self.held[c] = length
+            caches.append(cache)
+        self.group, self.group_cache = components, _merge_caches(caches)
+
+
+def _last_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                 cache: DynamicCache) -> Tensor:
+    """One cached forward of ``model``; float32 logits of the last position ``[rows, V]``."""
+    kwargs: dict[str, Any] = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=True, **kwargs)
+    return out.logits[:, -1].float()
+
+
+def _split_cache(cache: DynamicCache, parts: int) -> list[DynamicCache]:
+    """``parts`` caches holding equal consecutive row blocks of ``cache`` (views; layer state such as a sliding
+    window's token count is kept)."""
+    out = []
+    for i in range(parts):
+        part = copy.copy(cache)
+        part.layers = []
+        for layer in cache.layers:
+            piece = copy.copy(layer)
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                piece.keys, piece.values = layer.keys.chunk(parts)[i], layer.values.chunk(parts)[i]
+            part.layers.append(piece)
+        out.append(part)
+    return out
+
+
+def _cloned_cache(cache: DynamicCache) -> DynamicCache:
+    """``cache`` with storage of its own (a parked block no longer keeps the whole merged cache alive)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    return cache
+
+
+def _merge_caches(caches: list[DynamicCache]) -> DynamicCache:
+    """One cache whose rows are the given caches' rows, block after block (all hold the same number of tokens)."""
+    if len(caches) == 1:
+        return caches[0]
+    merged = copy.copy(caches[0])
+    merged.layers = []
+    for layers in zip(*(c.layers for c in caches), strict=True):
+        layer = copy.copy(layers[0])
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            layer.keys = torch.cat([x.keys for x in layers])
+            layer.values = torch.cat([x.values for x in layers])
+        merged.layers.append(layer)
+    return merged
+
+
+@contextmanager
+def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[Callable[[tuple[int, ...]], None]]:
+    """The adapters backend's base model on a batch of row blocks chosen per forward, for lazy decoding.
+
+    Yields ``select(blocks)``: the next forwards take ``len(blocks)·batch_size`` rows, block ``j`` run as component
+    ``blocks[j]`` (0 the background, ``i`` expert ``names[i-1]``). With plain LoRA (:func:`_grouped_lora_supported`)
+    each LoRA layer dispatches to :func:`_stacked_lora_forward` over the selected slices of its
+    :class:`_StackedLoRA` (built once per block tuple and kept); otherwise peft's mixed batch gets the blocks'
+    adapter names.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    current: list[tuple[int, ...]] = [(0,)]
+
+    def select(blocks: tuple[int, ...]) -> None:
+        current[0] = tuple(blocks)
+
+    if not _grouped_lora_supported(model, names):
+        from peft.utils import AuxiliaryTrainingWrapper
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            kwargs["adapter_names"] = [BASE_ADAPTER if b == 0 else names[b - 1]
+                                       for b in current[0] for _ in range(batch_size)]
+            return args, kwargs
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+                   if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
+        try:
+            yield select
+        finally:
+            for handle in handles:
+                handle.remove()
+        return
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    stacks: list[_StackedLoRA | None] = []
+    try:
+        for m in layers:
+            stacked = _StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None
+            stacks.append(stacked)
+            vars(m)["forward"] = (m.base_layer.__call__ if stacked is None
+                                  else _block_dispatch(m, batch_size, stacked, current))
+        yield select
+    finally:
+        for m, stacked in zip(layers, stacks, strict=False):
+            vars(m).pop("forward", None)
+            if stacked is not None:
+                stacked.release()
+        for m in layers[len(stacks):]:
+            vars(m).pop("forward", None)
+
+
+def _block_dispatch(module: nn.Module, batch_size: int, stacked: _StackedLoRA,
+                    current: list[tuple[int, ...]]) -> Callable[..., Tensor]:
+    """A LoRA layer's ``forward`` for the row blocks ``current[0]``: :func:`_stacked_lora_forward` over those blocks'
+    slices of ``stacked`` (the base layer alone for the background's block alone)."""
+    forwards: dict[tuple[int, ...], Callable[..., Tensor]] = {}
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        blocks = current[0]
+        fn = forwards.get(blocks)
+        if fn is None:
+            if blocks == (0,):
+                fn = module.base_layer.__call__
+            else:
+                index = list(blocks)
+                scale = stacked.scale if isinstance(stacked.scale, float) else stacked.scale[index]
+                fn = _stacked_lora_forward(module, batch_size, SimpleNamespace(
+                    lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale))
+            forwards[blocks] = fn
+        return fn(x, *args, **kwargs)
+
+    return forward

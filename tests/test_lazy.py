@@ -1,0 +1,169 @@
+"""Lazy gated decoding: experts whose gate is closed are skipped, then caught up; same tokens as plain gating."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_models import PAD, VOCAB, tiny_peft
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import compose.composed_lm as clm
+from compose import ComposedLM
+from data.tokenizer import build_char_tokenizer
+
+ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXY[]"  # 5 special tokens + 27 characters = VOCAB ids
+# Regex delimiters over frequent letters, so the random tiny models open and close the intervals often; the
+# third is a literal bracket interval, rarer.
+SPECS = [
+    {"interval": {"start": "[A-D]", "end": "[I-P]", "regex": True}},
+    {"interval": {"start": "[Q-S]", "end": r"[W-Y]|\]", "regex": True}},
+    {"interval": {"start": "[", "end": "]"}},
+]
+KW = dict(max_new_tokens=20, eos_token_id=[], pad_token_id=PAD)
+
+
+def tokenizer():
+    tok = build_char_tokenizer(ALPHABET)
+    assert len(tok) == VOCAB
+    return tok
+
+
+def prompts(batch: int, seed: int = 3):
+    ids = torch.randint(5, VOCAB - 2, (batch, 6), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[0, :2], mask[0, :2] = PAD, 0  # left padding
+    return ids, mask
+
+
+def composed(backend: str, names=("a", "b", "c")) -> ComposedLM:
+    peft_model = tiny_peft(names=names)
+    common = dict(tokenizer=tokenizer(), specs=SPECS[: len(names)], composition="gated")
+    if backend == "adapters":
+        return ComposedLM.from_peft(peft_model, list(names), **common)
+    experts = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in names]
+    return ComposedLM(copy.deepcopy(peft_model).unload().eval(), experts, names=list(names), **common)
+
+
+@pytest.fixture
+def active_sets(monkeypatch):
+    """The experts each lazy step runs (recorded from ``_active_experts``)."""
+    recorded: list[list[int]] = []
+    inner = clm._active_experts
+
+    def record(masks, unfinished):
+        out = inner(masks, unfinished)
+        recorded.append(out)
+        return out
+
+    monkeypatch.setattr(clm, "_active_experts", record)
+    return recorded
+
+
+def caught_up(sets: list[list[int]], k: int) -> bool:
+    """Some expert was skipped at some step and ran at a later one (a catch-up prefill)."""
+    return any(i not in sets[s] and any(i in later for later in sets[s + 1:]) for i in range(k) for s in range(len(sets)))
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_lazy_equals_gated_token_for_token(active_sets, backend, batch, do_sample):
+    model = composed(backend)
+    ids, mask = prompts(batch)
+    sample = dict(do_sample=True, temperature=1.5) if do_sample else {}
+    out = [model.generate(ids, mask, lazy=lazy, generator=torch.Generator().manual_seed(0), **sample, **KW)
+           for lazy in (False, True)]
+    assert torch.equal(out[0], out[1])
+    assert len(active_sets) == out[1].shape[1] - ids.shape[1]  # one record per lazy step
+    assert any(len(s) < 3 for s in active_sets) and caught_up(active_sets, 3)
+    if batch > 1:  # rows whose intervals open at different steps
+        masks = model.interval_masks(out[1], ids.shape[1])[:, :, ids.shape[1] - 1:]
+        first_open = [int(m.float().argmax()) if m.any() else -1 for m in masks[0]]
+        assert len(set(first_open)) > 1
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_lazy_with_rows_finishing_at_different_steps(active_sets, backend):
+    """Finished rows do not keep an expert running; their tokens are padding as without lazy."""
+    model = composed(backend)
+    ids, mask = prompts(4, seed=5)
+    plain = model.generate(ids, mask, **KW)
+    eos = int(plain[0, ids.shape[1] + 4])  # a token row 0 emits early
+    kw = dict(KW, eos_token_id=eos)
+    out = [model.generate(ids, mask, lazy=lazy, **kw) for lazy in (False, True)]
+    assert torch.equal(out[0], out[1])
+    generated = out[1][:, ids.shape[1]:]
+    ends = [int((row == PAD).float().argmax()) if (row == PAD).any() else len(row) for row in generated]
+    assert len(set(ends)) > 1 and min(ends) < len(generated[0])
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_lazy_without_gates_is_the_plain_path(backend):
+    model = composed(backend, names=("a", "b"))
+    model.composition = "soft"
+    ids, mask = prompts(3)
+    assert torch.equal(model.generate(ids, mask, lazy=True, **KW), model.generate(ids, mask, **KW))
+
+
+def _mixed_lora_model():
+    """Three adapters with different ranks, scalings and target modules (one adapts no MLP layer)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = None
+    for i, (r, alpha, targets) in enumerate([(4, 8, "all-linear"), (2, 4, ["q_proj", "v_proj"]),
+                                             (3, 3, ["gate_proj", "down_proj", "k_proj"])]):
+        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        if model is None:
+            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
+        else:
+            model.add_adapter(f"e{i}", lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    return model.eval()
+
+
+def token_gate(residue: int):
+    """A stateless user gate: open on the rows whose last token is ``residue`` mod 3."""
+    return lambda prefix: prefix[:, -1] % 3 == residue
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_lazy_with_user_gates_mixed_ranks_and_peft_fallback(monkeypatch, active_sets, stacked):
+    """Per-subset slices of the stacked LoRA (ranks, scalings, targets differ), and peft's mixed batch when the
+    stacked path is unsupported; LoRA layers and parameter storage are restored afterwards."""
+    if not stacked:
+        monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+    model = _mixed_lora_model()
+    names = ["e0", "e1", "e2"]
+    composed_lm = ComposedLM.from_peft(model, names, weights=[1.0, 0.5, -0.3])
+    gates = [token_gate(0), token_gate(1), None]  # e2 always on
+    ids = torch.randint(5, 24, (3, 9), generator=torch.Generator().manual_seed(1))
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0
+    kw = dict(max_new_tokens=12, eos_token_id=[], gates=gates)
+    out = [composed_lm.generate(ids, attn, lazy=lazy, **kw) for lazy in (False, True)]
+    assert torch.equal(out[0], out[1])
+    assert all(2 in s for s in active_sets) and caught_up(active_sets, 3)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(clm._owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
+
+
+def test_split_and_merge_caches_round_trip():
+    from transformers import DynamicCache
+
+    config = LlamaConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    cache = DynamicCache(config=config)
+    for layer in range(2):
+        cache.update(torch.randn(6, 1, 5, 4), torch.randn(6, 1, 5, 4), layer)
+    parts = clm._split_cache(cache, 3)
+    assert [p.layers[1].keys.shape[0] for p in parts] == [2, 2, 2] and parts[2].get_seq_length() == 5
+    merged = clm._merge_caches(parts)
+    for a, b in zip(merged.layers, cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
