@@ -95,7 +95,7 @@ class LettersConfig:
     def max_row_length(self) -> int:
         """Tokens in the longest row, training or evaluation: `<bos> x <sep> y <eos>` (generative) or `<bos> x`
         (aligned)."""
-        return self._row_length(max(self.max_len, *(self.eval_lengths or [])))
+        return self._row_length(max([self.max_len, *(self.eval_lengths or [])]))
 
     @property
     def max_row_length_key(self) -> str:
