@@ -462,7 +462,7 @@ class ComposedLM(nn.Module):
         generator: torch.Generator | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
-        lazy: bool = False,
+        lazy: bool | str = False,
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
@@ -495,9 +495,11 @@ class ComposedLM(nn.Module):
             tokenizer: the tokenizer ``stop_strings`` are matched with (default: :attr:`tokenizer`).
             lazy: with gates (gated composition), skip the forward of every expert whose gate is closed on all
                 unfinished rows; when it opens, one prefill of the tokens it missed brings its KV cache up to
-                date. Same tokens as without it (up to floating-point rounding of the logits); the adapters
-                backend then runs the background and the open experts as one batch of row blocks. Ignored
-                without gates.
+                date. ``True``: the prompt too (an expert that never opens is never run); ``"decode"``: every
+                expert prefills the prompt with the background (as without lazy), only decoding steps are
+                skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
+                floating-point rounding of the logits); the adapters backend then runs the background and the
+                open experts as one batch of row blocks. Ignored without gates.
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
@@ -532,7 +534,7 @@ class ComposedLM(nn.Module):
 
         batch = input_ids.shape[0]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        lazy = bool(lazy) and gates is not None
+        lazy = _check_lazy(lazy) if gates is not None else _check_lazy(lazy) and False
         with self._decoding(batch, lazy) as decode:
             positions = _position_ids(attention_mask)
             for step in range(max_new_tokens):
@@ -564,18 +566,19 @@ class ComposedLM(nn.Module):
         return input_ids
 
     @contextmanager
-    def _decoding(self, batch_size: int, lazy: bool) -> Iterator[_PlainSteps | _LazySteps]:
+    def _decoding(self, batch_size: int, lazy: bool | str) -> Iterator[_PlainSteps | _LazySteps]:
         """Eval mode and the step function of :meth:`generate`: every component each step, or the lazy one."""
         if not lazy:
             with self._running(batch_size):
                 yield _PlainSteps(self)
             return
         with eval_mode(self):
+            prompt = lazy == "decode"
             if self.backend != "adapters":
-                yield _LazySteps(self)
+                yield _LazySteps(self, prefill_all=prompt)
                 return
             with _lora_blocks(self.model, self.names, batch_size) as select:
-                yield _LazySteps(self, select)
+                yield _LazySteps(self, select, prefill_all=prompt)
 
     def _special_tokens(
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
@@ -685,9 +688,18 @@ def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: tor
     return torch.stack(rows)
 
 
+LAZY = (False, True, "decode")
+
+
+def _check_lazy(lazy: bool | str) -> bool | str:
+    if lazy not in LAZY or (lazy is not False and lazy is not True and not isinstance(lazy, str)):
+        raise ValueError(f"lazy must be one of {LAZY}, got {lazy!r}")
+    return lazy
+
+
 def _active_experts(masks: Tensor, unfinished: Tensor) -> list[int]:
     """Experts whose gate is open on some unfinished row (``masks [k, B]``, ``unfinished [B]``)."""
-    return torch.nonzero((masks & unfinished).any(-1)).flatten().tolist()
+    return [i for i, is_open in enumerate((masks & unfinished).any(-1).tolist()) if is_open]
 
 
 SCORE_CHUNK_BYTES = 1 << 28  # float32 logits of one block of `ComposedLM.score` (256 MiB)
@@ -1001,8 +1013,9 @@ class _LazySteps:
     the new set's caches are merged again (copies only at interval boundaries).
     """
 
-    def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None) -> None:
-        self.lm, self.select = lm, select
+    def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None,
+                 prefill_all: bool = False) -> None:
+        self.lm, self.select, self.prefill_all = lm, select, prefill_all
         n = lm.num_experts + 1
         self.held = [0] * n
         if lm.backend == "adapters":
@@ -1015,8 +1028,14 @@ class _LazySteps:
             self.caches = [DynamicCache(config=m.config) for m in self.models]
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, active: list[int]) -> Tensor:
-        """Logits ``[1 + len(active), B, V]`` (float32): the background's, then the active experts' in order."""
+        """Logits ``[1 + len(active), B, V]`` (float32): the background's, then the active experts' in order.
+
+        With ``prefill_all``, the prompt's forward (the first call) runs every expert; only the active ones'
+        logits are returned."""
         components = (0, *(i + 1 for i in active))
+        if self.prefill_all and self.held[0] == 0 and len(components) < len(self.held):
+            logits = self(input_ids, attention_mask, positions, list(range(len(self.held) - 1)))
+            return logits[list(components)]
         if self.lm.backend == "adapters":
             return self._blocks_step(components, input_ids, attention_mask, positions)
         out = []
@@ -1033,8 +1052,10 @@ class _LazySteps:
         new = slice(self.held[0], input_ids.shape[1])
         n, batch = len(components), input_ids.shape[0]
         self.select(components)
-        logits = _last_logits(self.lm._base_model(), input_ids[:, new].repeat(n, 1), attention_mask.repeat(n, 1),
-                              positions[:, new].repeat(n, 1), self.group_cache)
+        rows = (input_ids[:, new], attention_mask, positions[:, new])
+        if n > 1:
+            rows = tuple(t.repeat(n, 1) for t in rows)
+        logits = _last_logits(self.lm._base_model(), *rows, self.group_cache)
         for c in components:
             self.held[c] = input_ids.shape[1]
         return logits.view(n, batch, -1)
@@ -1111,21 +1132,17 @@ def _merge_caches(caches: list[DynamicCache]) -> DynamicCache:
 
 @contextmanager
 def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[Callable[[tuple[int, ...]], None]]:
-    """The adapters backend's base model on a batch of row blocks chosen per forward, for lazy decoding.
+    """The adapters backend's base model on a batch of row blocks chosen between forwards, for lazy decoding.
 
     Yields ``select(blocks)``: the next forwards take ``len(blocks)·batch_size`` rows, block ``j`` run as component
     ``blocks[j]`` (0 the background, ``i`` expert ``names[i-1]``). With plain LoRA (:func:`_grouped_lora_supported`)
-    each LoRA layer dispatches to :func:`_stacked_lora_forward` over the selected slices of its
-    :class:`_StackedLoRA` (built once per block tuple and kept); otherwise peft's mixed batch gets the blocks'
-    adapter names.
+    ``select`` sets each LoRA layer's ``forward`` to :func:`_stacked_lora_forward` over the selected slices of its
+    :class:`_StackedLoRA` (built once per block tuple and kept; the base layer alone for the background alone), so
+    a decoding step pays nothing for the choice; otherwise peft's mixed batch gets the blocks' adapter names.
     """
     from peft.tuners.lora import LoraLayer
 
-    current: list[tuple[int, ...]] = [(0,)]
-
-    def select(blocks: tuple[int, ...]) -> None:
-        current[0] = tuple(blocks)
-
+    current: list[tuple[int, ...] | None] = [None]
     if not _grouped_lora_supported(model, names):
         from peft.utils import AuxiliaryTrainingWrapper
 
@@ -1137,7 +1154,7 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
                    if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
         try:
-            yield select
+            yield lambda blocks: current.__setitem__(0, tuple(blocks))
         finally:
             for handle in handles:
                 handle.remove()
@@ -1145,12 +1162,23 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     stacks: list[_StackedLoRA | None] = []
+    forwards: list[dict[tuple[int, ...], Callable[..., Tensor]]] = [{} for _ in layers]
+
+    def select(blocks: tuple[int, ...]) -> None:
+        blocks = tuple(blocks)
+        if blocks == current[0]:
+            return
+        current[0] = blocks
+        for m, stacked, known in zip(layers, stacks, forwards, strict=True):
+            fn = known.get(blocks)
+            if fn is None:
+                fn = known[blocks] = _blocks_forward(m, batch_size, stacked, blocks)
+            vars(m)["forward"] = fn
+
     try:
         for m in layers:
-            stacked = _StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None
-            stacks.append(stacked)
-            vars(m)["forward"] = (m.base_layer.__call__ if stacked is None
-                                  else _block_dispatch(m, batch_size, stacked, current))
+            stacks.append(_StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None)
+        select((0,))
         yield select
     finally:
         for m, stacked in zip(layers, stacks, strict=False):
@@ -1161,24 +1189,14 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
             vars(m).pop("forward", None)
 
 
-def _block_dispatch(module: nn.Module, batch_size: int, stacked: _StackedLoRA,
-                    current: list[tuple[int, ...]]) -> Callable[..., Tensor]:
-    """A LoRA layer's ``forward`` for the row blocks ``current[0]``: :func:`_stacked_lora_forward` over those blocks'
-    slices of ``stacked`` (the base layer alone for the background's block alone)."""
-    forwards: dict[tuple[int, ...], Callable[..., Tensor]] = {}
-
-    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        blocks = current[0]
-        fn = forwards.get(blocks)
-        if fn is None:
-            if blocks == (0,):
-                fn = module.base_layer.__call__
-            else:
-                index = list(blocks)
-                scale = stacked.scale if isinstance(stacked.scale, float) else stacked.scale[index]
-                fn = _stacked_lora_forward(module, batch_size, SimpleNamespace(
-                    lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale))
-            forwards[blocks] = fn
-        return fn(x, *args, **kwargs)
-
-    return forward
+def _blocks_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA | None,
+                    blocks: tuple[int, ...]) -> Callable[..., Tensor]:
+    """A LoRA layer's ``forward`` for the row blocks ``blocks``: :func:`_stacked_lora_forward` over those blocks'
+    slices of ``stacked``, or the base layer alone where no selected expert adapts this layer."""
+    if stacked is None or blocks == (0,):
+        return module.base_layer.__call__
+    # consecutive blocks are a view of the stacks, others a copy (kept for the whole generation)
+    index = slice(blocks[0], blocks[-1] + 1) if blocks == tuple(range(blocks[0], blocks[-1] + 1)) else list(blocks)
+    scale = stacked.scale if isinstance(stacked.scale, float) else stacked.scale[index]
+    return _stacked_lora_forward(module, batch_size, SimpleNamespace(
+        lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale))

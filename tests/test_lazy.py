@@ -70,13 +70,13 @@ def caught_up(sets: list[list[int]], k: int) -> bool:
 
 @pytest.mark.parametrize("backend", ["adapters", "separate"])
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_lazy_equals_gated_token_for_token(active_sets, backend, batch, do_sample):
+@pytest.mark.parametrize(("do_sample", "lazy"), [(False, True), (True, True), (False, "decode")])
+def test_lazy_equals_gated_token_for_token(active_sets, backend, batch, do_sample, lazy):
     model = composed(backend)
     ids, mask = prompts(batch)
     sample = dict(do_sample=True, temperature=1.5) if do_sample else {}
-    out = [model.generate(ids, mask, lazy=lazy, generator=torch.Generator().manual_seed(0), **sample, **KW)
-           for lazy in (False, True)]
+    out = [model.generate(ids, mask, lazy=mode, generator=torch.Generator().manual_seed(0), **sample, **KW)
+           for mode in (False, lazy)]
     assert torch.equal(out[0], out[1])
     assert len(active_sets) == out[1].shape[1] - ids.shape[1]  # one record per lazy step
     assert any(len(s) < 3 for s in active_sets) and caught_up(active_sets, 3)
@@ -107,6 +107,9 @@ def test_lazy_without_gates_is_the_plain_path(backend):
     model.composition = "soft"
     ids, mask = prompts(3)
     assert torch.equal(model.generate(ids, mask, lazy=True, **KW), model.generate(ids, mask, **KW))
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="lazy must be one of"):
+            model.generate(ids, mask, lazy=bad, **KW)
 
 
 def _mixed_lora_model():
