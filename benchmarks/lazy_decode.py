@@ -11,9 +11,9 @@ or a large share of tokens inside the experts' intervals, columns:
   prefill too) and caught up by one prefill of the tokens they missed when it opens;
 * ``lazy decode`` — ``generate(..., lazy="decode")``: every expert prefills the prompt with the background (as
   gated does), only decoding steps are skipped, so a catch-up covers only generated tokens;
-* ``decode ms/token`` = (time of the whole generation − time of a 1-token generation) / (tokens − 1): the
-  prefill is not counted (lazy's catch-up prefills are, they happen while decoding: with ``lazy`` the first
-  catch-up of an expert includes the prompt); ``total ms/token`` =
+* ``decode ms/token`` = time from the first token's composition to the last one's / (tokens − 1), stamped at
+  each step's ``compose_logprobs`` call: the prompt's prefill is not counted (lazy's catch-up prefills are,
+  they happen while decoding: with ``lazy`` the first catch-up of an expert includes the prompt); ``total ms/token`` =
   time of the whole generation / tokens, prefill included. Each prompt's times are minima over ``--reps``
   repetitions (the four runs interleaved in each; the minimum, not the median, because other processes
   share the CPU and only ever add time), then summed over the set's prompts.
@@ -30,7 +30,10 @@ general sentences with one upper row (low coverage), and the ``compositional`` r
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/lazy_decode.py [--intervals EXPORT] [--smollm2 EXPORT] [--prompts 8]
-        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--out benchmarks/RESULTS_lazy.md]
+        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--sets NAME ...] [--out FILE [--append]]
+
+``--sets`` keeps the prompt sets whose name contains one of the given words (to split a long run: each
+process stays short); ``--append`` adds the rows to ``--out`` instead of rewriting it.
 
 ``--smollm2 none`` (or ``--intervals none``) skips that export.
 """
@@ -50,6 +53,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import compose.composed_lm as composed_lm  # noqa: E402
 from compose import ComposedLM  # noqa: E402
 
 SMOLLM2_DATA = ROOT / "configs/experiment/data/smollm2_skills"
@@ -123,11 +127,33 @@ def generate(model: ComposedLM, ids: torch.Tensor, n: int, lazy: bool | str) -> 
     return model.generate(ids, torch.ones_like(ids), max_new_tokens=n, lazy=lazy)
 
 
-def timed(model: ComposedLM, ids: torch.Tensor, n: int, lazy: bool | str) -> tuple[float, int]:
-    """Seconds of one generation and the number of tokens it generated."""
-    start = time.perf_counter()
-    out = generate(model, ids, n, lazy)
-    return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+class StepClock:
+    """Time stamps of every decoding step: ``compose_logprobs`` is called once per step of ``ComposedLM.generate``
+    (after the prompt's forward, then after each step's forward); the clock wraps it while installed."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._inner = composed_lm.compose_logprobs
+
+    def __enter__(self) -> StepClock:
+        def stamped(*args, **kwargs):
+            self.stamps.append(time.perf_counter())
+            return self._inner(*args, **kwargs)
+
+        composed_lm.compose_logprobs = stamped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        composed_lm.compose_logprobs = self._inner
+
+
+def timed(model: ComposedLM, ids: torch.Tensor, n: int, lazy: bool | str) -> tuple[float, float, int]:
+    """One generation: (seconds of its decoding steps after the first token, seconds in all, generated tokens)."""
+    with StepClock() as clock:
+        start = time.perf_counter()
+        out = generate(model, ids, n, lazy)
+        whole = time.perf_counter() - start
+    return clock.stamps[-1] - clock.stamps[0], whole, out.shape[1] - ids.shape[1]
 
 
 def coverage_steps(model: ComposedLM, out: torch.Tensor, prompt_len: int) -> tuple[int, int]:
@@ -150,7 +176,7 @@ def gate_seconds(model: ComposedLM, out: torch.Tensor, prompt_len: int) -> float
 
 
 def measure(composed: ComposedLM, background: ComposedLM, prompts: list[tuple[list[int], int]], reps: int) -> dict:
-    """Coverage, token check and summed median times of the four runs over one prompt set."""
+    """Coverage, token check and summed minimum times of the four runs over one prompt set."""
     runners = {"background": (background, False), "gated": (composed, False), "lazy": (composed, True),
                "lazy decode": (composed, "decode")}
     open_steps = steps = 0
@@ -166,21 +192,15 @@ def measure(composed: ComposedLM, background: ComposedLM, prompts: list[tuple[li
         o, s = coverage_steps(composed, gated, ids.shape[1])
         open_steps, steps = open_steps + o, steps + s
         gates += min(gate_seconds(composed, gated, ids.shape[1]) for _ in range(reps))
-        for model, is_lazy in runners.values():  # warm-up
-            generate(model, ids, n, is_lazy)
+        generate(background, ids, n, False)  # warm-up (the composed model ran above)
         times: dict[str, list[tuple[float, float, int]]] = {m: [] for m in MODES}
         for _ in range(reps):
             for mode, (model, is_lazy) in runners.items():
-                first, _ = timed(model, ids, 1, is_lazy)
-                whole, count = timed(model, ids, n, is_lazy)
-                times[mode].append((whole, first, count))
+                times[mode].append(timed(model, ids, n, is_lazy))
         for mode in MODES:
-            whole = min(t[0] for t in times[mode])
-            first = min(t[1] for t in times[mode])
-            count = times[mode][0][2]
-            decode[mode] += whole - first
-            total[mode] += whole
-            tokens[mode] += count
+            decode[mode] += min(t[0] for t in times[mode])
+            total[mode] += min(t[1] for t in times[mode])
+            tokens[mode] += times[mode][0][2]
     return {
         "prompts": len(prompts), "coverage": open_steps / max(steps, 1), "same": same,
         "decode": {m: 1e3 * decode[m] / max(tokens[m] - len(prompts), 1) for m in MODES},
@@ -215,7 +235,9 @@ def main() -> None:
     parser.add_argument("--smollm2-prompts", type=int, default=3, help="prompts per set of SmolLM2")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sets", nargs="*", default=None, help="only the prompt sets whose name contains one of these")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start, load = time.perf_counter(), os.getloadavg()[0]
@@ -228,6 +250,8 @@ def main() -> None:
         composed = ComposedLM.from_manifest(path, composition="gated")
         background = ComposedLM.from_peft(composed.model, [], tokenizer=composed.tokenizer)
         for name, prompts in make(composed.tokenizer, n).items():
+            if args.sets and not any(part in name for part in args.sets):
+                continue
             line = row(export, name, measure(composed, background, prompts, args.reps))
             lines.append(line)
             print(line, flush=True)
@@ -235,7 +259,12 @@ def main() -> None:
               f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end, {time.perf_counter() - start:.0f} s")
     print(footer)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n" + footer + "\n")
+        out = Path(args.out)
+        if args.append and out.exists():
+            with out.open("a") as f:
+                f.write("\n".join(lines[1:]) + "\n" + footer.strip() + "\n")
+        else:
+            out.write_text("\n".join(lines) + "\n" + footer + "\n")
 
 
 if __name__ == "__main__":
