@@ -210,7 +210,7 @@ def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dt
 
 def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
     cmd = [sys.executable, __file__, "--probe-memory", name, str(batch), str(k), "--new-tokens",
-           str(args.new_tokens), "--device", args.device, "--dtype", args.dtype]
+           str(args.new_tokens), "--device", args.device, "--dtype", args.dtype, "--prompt-len", str(PROMPT)]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -238,25 +238,53 @@ def row(name, n_params, batch, k, t, pre, mem) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def memory_table(args) -> None:
+    """``--memory-only``: peak memory of the background and of each k, one process each."""
+    lines = ["| model | batch | k | peak MB background | peak MB adapters | adapters / background |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    baselines = []
+    for name in args.models:
+        for batch in args.batches:
+            mem = {k: memory_in_subprocess(args, name, batch, k) for k in [0, *args.experts]}
+            baselines.append(mem[0]["baseline_mb"])
+            for k in args.experts:
+                lines.append(f"| {name} | {batch} | {k} | {mem[0]['peak_mb']:.0f} | {mem[k]['peak_mb']:.0f} | "
+                             f"{mem[k]['peak_mb'] / mem[0]['peak_mb']:.2f}x |")
+                print(lines[-1], flush=True)
+    what = ("peak RSS, high-water mark reset once the model is built; the process holds "
+            f"{min(baselines):.0f}-{max(baselines):.0f} MB after imports" if args.device == "cpu"
+            else "torch.cuda.max_memory_allocated")
+    setup = f"{args.device}, {args.dtype}; {what}; decoding {args.new_tokens} tokens after a prompt of {PROMPT}"
+    print(setup)
+    if args.out is not None:
+        args.out.write_text("# Decode memory\n\n`python benchmarks/decode.py " + " ".join(sys.argv[1:]) + "`\n\n"
+                            + "\n".join(lines) + "\n\n" + setup + "\n")
+
+
 def main() -> None:
+    global PROMPT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(TOY_MODELS), choices=MODELS)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8], help="values of k")
     parser.add_argument("--separate-k", type=int, nargs="*", default=[2], help="k measured on the separate backend")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT, help="prompt tokens (default 16)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave it)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one process each)")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak memory table (no timing)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    PROMPT = args.prompt_len
     dtype = getattr(torch, args.dtype)
     if args.probe_memory:
         name, batch, k = args.probe_memory
@@ -264,6 +292,9 @@ def main() -> None:
             print(json.dumps(probe_memory(name, int(batch), int(k), args.new_tokens, args.device, dtype)))
         return
 
+    if args.memory_only:
+        memory_table(args)
+        return
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)

@@ -810,11 +810,30 @@ class _StackedLoRA:
                     param.data = view
                     self.shared.append(param)
 
+    def cpu_shared_bytes(self) -> int:
+        """Bytes of the stacks when they hold shared parameters in CPU memory (else 0)."""
+        return self.lora_a.nbytes + self.lora_b.nbytes if self.shared and self.lora_a.device.type == "cpu" else 0
+
     def release(self) -> None:
         """The shared parameters get contiguous storage of their own again (same values)."""
         for param in self.shared:
             param.data = param.data.clone(memory_format=torch.contiguous_format)
         self.shared.clear()
+
+
+def _return_freed_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    The peft parameters' own storage, freed once they are views into the stacks, is many small blocks on the
+    heap while the stacks are large (mmapped) ones: without this the freed blocks stay resident and composing k
+    experts holds their LoRA weights twice in RSS.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _owns_storage(param: Tensor) -> bool:
@@ -874,22 +893,46 @@ def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> It
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     stacks: list[_StackedLoRA | None] = []
+    freed = _FreedHeap()
     try:
         for m in layers:
             stacked = _StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None
             stacks.append(stacked)
+            freed.add(0 if stacked is None else stacked.cpu_shared_bytes())  # the parameters' old storage
             # straight into the instance dict: nn.Module.__setattr__ costs ~10 µs a layer and call
             vars(m)["forward"] = (m.base_layer.__call__ if stacked is None
                                   else _stacked_lora_forward(m, batch_size, stacked))
+        freed.flush()
         yield
     finally:
-        # layer by layer, so one layer's stack is freed before the next layer's copies are made
-        for m, stacked in zip(layers, stacks, strict=False):
+        # layer by layer, dropping each stack once its parameters have their own storage again, so at most one
+        # layer's weights are held twice
+        for i, m in enumerate(layers):
             vars(m).pop("forward", None)
-            if stacked is not None:
-                stacked.release()
-        for m in layers[len(stacks):]:
-            vars(m).pop("forward", None)
+            if i < len(stacks) and stacks[i] is not None:
+                nbytes = stacks[i].cpu_shared_bytes()
+                stacks[i].release()
+                stacks[i] = None
+                freed.add(nbytes)  # the stack
+        freed.flush()
+
+
+class _FreedHeap:
+    """Counts the CPU bytes the stacking frees and gives them back to the OS every 8 MiB (glibc keeps the
+    parameters' many small freed blocks resident otherwise, and k experts' LoRA weights would be held twice)."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending > 8 << 20:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            _return_freed_heap()
+            self.pending = 0
 
 
 def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
