@@ -135,8 +135,8 @@ class FeaturesTask(LettersTask):
 
     @property
     def notes(self) -> list[str]:
-        owners = ", ".join(f"{n}: {'+'.join(f)}" for n, f in self._owned.items())
-        return [f"features owned: {owners}", *self._overlaps]
+        owners = "; ".join(f"expert {n!r} owns {' and '.join(f)}" for n, f in self._owned.items())
+        return [f"features: {owners}", *self._overlaps]
 
     def standard_experts(self, k: int) -> list[dict]:
         raise TaskError(f"task 'features' has no standard set of {k} experts (ablation_ks): list them in experts")
