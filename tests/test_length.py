@@ -66,7 +66,10 @@ def test_default_positions_build_the_model_as_before():
     ("task.eval_lengths=[8,4]", "task.eval_lengths=[8, 4]: give [shortest, longest]"),
     ("task.eval_lengths=[4]", "task.eval_lengths=[4]: give [shortest, longest]"),
     ("task.n_per_length=0", "task.n_per_length=0"),
-    ("model.arch=gpt2", "model.position_encoding=nope applies to a Llama built from scratch"),
+    ("model.arch=gpt2;model.position_encoding=nope", "model.position_encoding=nope applies to a Llama built from "
+                                                    "scratch (model.arch=llama, no model.pretrained_path); got "
+                                                    "model.arch=gpt2"),
+    ("model.arch=gpt2;model.rope_theta=500.0", "model.rope_theta=500.0 applies to a Llama built from scratch"),
     ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of rope, nope"),
     ("background.position_jump=-1", "background.position_jump=-1: must be an integer >= 0"),
     ("background.position_jump=100", "background.position_jump=100: position ids may reach 166 (the longest row, 67 "
@@ -75,7 +78,7 @@ def test_default_positions_build_the_model_as_before():
 def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_written(tmp_path, override, message):
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as err:
-        plan_run(load_config([LENGTH], [f"output_dir={out}", override], base=DEFAULT))
+        plan_run(load_config([LENGTH], [f"output_dir={out}", *override.split(";")], base=DEFAULT))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not out.exists()
 
@@ -181,15 +184,16 @@ def test_length_experiment_runs_end_to_end_in_its_fast_variant(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), str(LENGTH), str(ROOT / "configs/debug/fast.yaml"),
                            f"output_dir={out}", "experiment=length_fast", "ablations=[]", "ablation_ks=[]",
-                           "baselines=[]", "task.eval_lengths=[3,18]", "task.n_per_length=8"],
+                           "baselines=[]", "task.eval_lengths=[3,18]", "task.n_per_length=8",
+                           "background.position_jump=8", "expert.position_jump=8"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["length"]) == [str(n) for n in range(3, 19)]
     assert set(summary["length"]["3"]["experts"]) == {"A_to_B", "C_to_D"}
     assert all(0.0 <= v["composition"] <= 1.0 for v in summary["length"].values())
-    assert json.loads((out / "background" / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
     assert "## Length generalization" in (out / "report.md").read_text() and (out / LENGTH_PLOT).is_file()
+    assert "output positions jump by up to 8" in proc.stdout
 
 
 def test_expert_training_gives_the_expert_and_its_background_the_same_jumped_positions():
