@@ -39,7 +39,8 @@ Usage::
 
     python benchmarks/train_step.py [--reps 5] [--steps 5] [--warmup 2] [--threads N] [--no-full]
                                     [--background HF_FOLDER] [--top-k 64] [--no-validation]
-                                    [--config configs/experiment/smollm2_skills.yaml]
+                                    [--config configs/experiment/smollm2_skills.yaml] [--override KEY=VALUE]
+                                    [--no-first-sight]
                                     [--out benchmarks/RESULTS_train_step.md]
 
 ``--config`` loads an experiment over the defaults (its model, task, batch size and recipe), e.g. SmolLM2-135M
@@ -88,7 +89,7 @@ def build(args):
     from lightning_modules.pipeline.config import expert_spec, load_config, task_settings
     from lightning_modules.pipeline.stages import model_tokenizer
 
-    cfg = load_config([str(c) for c in args.config], base=ROOT / "configs" / "default.yaml")
+    cfg = load_config([str(c) for c in args.config], args.override, base=ROOT / "configs" / "default.yaml")
     if "n_train" in cfg.task:  # a synthetic task: enough rows per expert for the fixed batches
         cfg.task.n_train = args.batches * cfg.data.batch_size
         cfg.task.n_test = 1
@@ -249,7 +250,9 @@ def main() -> None:
     parser.add_argument("--background", default=None, help="a trained background HF folder (default: random)")
     parser.add_argument("--config", type=Path, action="append", default=[],
                         help="an experiment YAML merged over the defaults (repeatable)")
+    parser.add_argument("--override", action="append", default=[], help="a dotted.key=value config override")
     parser.add_argument("--top-k", type=int, default=64, help="tokens per position in the background cache")
+    parser.add_argument("--no-first-sight", action="store_true", help="skip the `cached bg, first sight` rows")
     parser.add_argument("--no-validation", action="store_true", help="skip timing the validation/composition")
     parser.add_argument("--max-load", type=float, default=1.0)
     parser.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the load to drop")
@@ -285,6 +288,8 @@ def main() -> None:
     modes = ["lora"] if args.no_full else ["lora", "full"]
     lam = cfg.expert.reg_weight
     kinds = {"plain": (0.0, None), "regularized": (lam, None), CACHED: (lam, args.top_k), FIRST_SIGHT: (lam, args.top_k)}
+    if args.no_first_sight:
+        del kinds[FIRST_SIGHT]
     modules, fills = {}, {}
     for mode in modes:
         for kind, (weight, top_k) in kinds.items():
@@ -293,6 +298,8 @@ def main() -> None:
                 fills[mode] = fill_cost(module, batches)
             modules[mode, kind] = module
 
+    # Validation is timed on a module of its own: composing it for evaluation must not change the timed ones.
+    val_module = None if args.no_validation else make_module(cfg, task.tokenizer, "lora", lam, args.background)
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in modules}
     bg_calls: dict[tuple[str, str], int] = dict.fromkeys(modules, 0)
     comp_ms: list[float] = []
@@ -307,7 +314,7 @@ def main() -> None:
             samples[key].append(ms)
             bg_calls[key] += calls
         if not args.no_validation:
-            ms, total, comp_results = time_validation(modules["lora", "regularized"], dm, task, cfg)
+            ms, total, comp_results = time_validation(val_module, dm, task, cfg)
             comp_ms.append(ms)
             val_ms.append(total)
 
@@ -326,7 +333,7 @@ def main() -> None:
         lines += ["", f"{mode}: filling the cache (top-k = {k} of V = {vocab}{', exact' if k == vocab else ''}) "
                       f"takes {fill:.1f} ms per batch against {forward:.1f} ms for the background forward alone "
                       f"({fill / forward:.2f}×); it holds {nbytes / rows / 1e3:.1f} kB per row "
-                      f"({nbytes / 1e6:.1f} MB for {rows} rows)"]
+                      f"({nbytes / 1e6:.2f} MB for {rows} rows)"]
     every = cfg.trainer.val_check_interval
     n_tokens = len(batches[0]["input_ids"]) * batches[0]["input_ids"].shape[1]
     if not args.no_validation:
