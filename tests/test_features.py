@@ -210,6 +210,21 @@ def test_feature_options_are_checked_before_anything_is_trained(tmp_path):
                                               "task 'letters' has none"):
             plan_run(cfg)
     assert not (tmp_path / "x").exists()
+    # a background given by path must have a factored head when model.head=factored
+    fmap = feature_map(build_feature_tokenizer(FeaturesConfig().alphabet))
+    plain = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=fmap.vocab_size, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2,
+                                                         tie_word_embeddings=False))
+    plain.save_pretrained(tmp_path / "plain")
+    cfg = load_config([str(FEATURES)], base=DEFAULT, overrides=[f"background.path={tmp_path / 'plain'}",
+                                                                f"output_dir={tmp_path / 'y'}"])
+    with pytest.raises(ConfigError, match="background.path: model.head=factored, but its output layer is not a sum of "
+                                          "per-feature rows"):
+        plan_run(cfg)
+    merge_factored_head(factor_output_layer(plain, fmap)).save_pretrained(tmp_path / "factored")
+    cfg = load_config([str(FEATURES)], base=DEFAULT, overrides=[f"background.path={tmp_path / 'factored'}",
+                                                                f"output_dir={tmp_path / 'z'}"])
+    assert plan_run(cfg).task.feature_map.sizes == (31, 2)
 
 
 # ---------------------------------------------------------------- pipeline

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from transformers import PreTrainedModel
 
+from lightning_modules.pipeline.config import ConfigError
 from losses.features import FeatureMap
 
 
@@ -71,3 +72,17 @@ def factorization_residual(weight: Tensor, fmap: FeatureMap) -> float:
     (0 up to rounding for a factored head)."""
     param = FactoredWeight(fmap).to(weight.device)
     return float((weight - param(*param.right_inverse(weight.float()))).abs().max())
+
+
+def check_factored(model: PreTrainedModel, fmap: FeatureMap, where: str, tolerance: float = 1e-4) -> None:
+    """Raise a one-line `ConfigError` naming `where` unless `model`'s output layer is the factored head of `fmap`
+    (e.g. a `background.path` given with `model.head=factored`)."""
+    weight = model.get_output_embeddings().weight
+    if weight.shape[0] != fmap.vocab_size:
+        raise ConfigError(f"{where}: model.head=factored, but its output layer has {weight.shape[0]} tokens and the "
+                          f"task's feature map covers {fmap.vocab_size}")
+    residual = factorization_residual(weight, fmap)
+    if residual > tolerance:
+        raise ConfigError(f"{where}: model.head=factored, but its output layer is not a sum of per-feature rows over "
+                          f"the task's feature map (largest residual {residual:.3g}): train it with model.head=factored "
+                          "or set model.head=token")

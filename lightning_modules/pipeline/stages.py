@@ -41,7 +41,7 @@ from lightning_modules.pipeline.config import (
     lora_target_modules,
     task_settings,
 )
-from lightning_modules.pipeline.feature_head import merge_factored_head
+from lightning_modules.pipeline.feature_head import check_factored, merge_factored_head
 from lightning_modules.pipeline.models import (
     build_causal_lm,
     count_parameters,
@@ -242,6 +242,8 @@ def plan_run(cfg: DictConfig) -> Plan:
             if cfg.expert.mode == "head" and tied:
                 raise ConfigError(f"expert.mode=head needs untied input/output embeddings; the model of {key} "
                                   "ties them (use expert.mode=lora or full)")
+            if cfg.model.head == "factored":
+                check_factored(model, task.feature_map, key)
     return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
                 weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
 
