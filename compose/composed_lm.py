@@ -7,7 +7,9 @@ Two backends compute the same thing:
   mixed-batch ``adapter_names=["__base__"]*B + [name_1]*B + ...`` and one shared KV cache.
 * ``"separate"`` — distinct full Hugging Face causal LMs, each with its own ``DynamicCache``.
 
-Scoring is teacher-forced; generation prefills the prompt once and then feeds one token per step.
+Scoring is teacher-forced; generation prefills the prompt once and then feeds one token per step. Gated
+generation can be lazy (``generate(..., lazy=True)``): an expert whose interval is closed gets no forward and
+catches up with one prefill of the tokens it missed when it opens.
 """
 
 from __future__ import annotations
@@ -1218,18 +1220,24 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
                 fn = known[blocks] = _blocks_forward(m, batch_size, stacked, blocks)
             vars(m)["forward"] = fn
 
+    freed = _FreedHeap()  # as in `_grouped_lora`: the parameters' old storage, then the stacks, back to the OS
     try:
         for m in layers:
             stacks.append(_StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None)
+            freed.add(0 if stacks[-1] is None else stacks[-1].cpu_shared_bytes())
+        freed.flush()
         select((0,))
         yield select
     finally:
-        for m, stacked in zip(layers, stacks, strict=False):
+        for i, m in enumerate(layers):
             vars(m).pop("forward", None)
-            if stacked is not None:
-                stacked.release()
-        for m in layers[len(stacks):]:
-            vars(m).pop("forward", None)
+            if i < len(stacks) and stacks[i] is not None:
+                nbytes = stacks[i].cpu_shared_bytes()
+                stacks[i].release()
+                stacks[i] = None
+                forwards[i].clear()  # their slices of the stack
+                freed.add(nbytes)
+        freed.flush()
 
 
 def _blocks_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA | None,
