@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_models import PAD, VOCAB, tiny_peft
+from tiny_models import PAD, VOCAB, random_lora, tiny_peft
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import compose.composed_lm as clm
@@ -170,3 +170,39 @@ def test_split_and_merge_caches_round_trip():
     merged = clm._merge_caches(parts)
     for a, b in zip(merged.layers, cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_lazy_on_the_interval_task(active_sets, backend):
+    """The interval task's tokenizer, experts (``upper`` on ``[ ]``, ``reverse`` on ``( )``) and compositional
+    inputs, on a tiny model whose head favours the delimiters (so the sampled outputs open and close both)."""
+    from data.generation import left_padded
+    from data.tasks import Expert, task_class
+    from data.tasks.intervals import IntervalsConfig
+
+    experts = [Expert("upper", {"interval": {"start": "[", "end": "]"}}),
+               Expert("reverse", {"interval": {"start": "(", "end": ")"}})]
+    task = task_class("intervals")(IntervalsConfig(n_train=8, n_val=4, n_test=4), experts, seed=0)
+    tok = task.tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tok.pad_token_id)).eval()
+    with torch.no_grad():
+        for delimiter in "[]()":
+            model.lm_head.weight[tok.convert_tokens_to_ids(delimiter)] *= 3
+    peft_model = random_lora(model, ("upper", "reverse"))
+    common = dict(tokenizer=tok, specs=[e.spec for e in experts], composition="gated")
+    if backend == "adapters":
+        composed_lm = ComposedLM.from_peft(peft_model, ["upper", "reverse"], **common)
+    else:
+        merged = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in ("upper", "reverse")]
+        composed_lm = ComposedLM(copy.deepcopy(peft_model).unload().eval(), merged, names=["upper", "reverse"],
+                                 **common)
+    xs = task.compositional_dataset("test")["x"][:4]
+    ids, attn = left_padded([[tok.bos_token_id, *tok.convert_tokens_to_ids(list(x)), tok.sep_token_id] for x in xs],
+                            tok.pad_token_id)
+    out = [composed_lm.generate(ids, attn, max_new_tokens=24, eos_token_id=[], lazy=lazy, do_sample=True,
+                                generator=torch.Generator().manual_seed(0)) for lazy in (False, True)]
+    assert torch.equal(out[0], out[1])
+    assert [] in active_sets and [0, 1] in active_sets and caught_up(active_sets, 2)
