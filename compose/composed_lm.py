@@ -536,7 +536,9 @@ class ComposedLM(nn.Module):
 
         batch = input_ids.shape[0]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        lazy = _check_lazy(lazy) if gates is not None else _check_lazy(lazy) and False
+        lazy = _check_lazy(lazy)
+        if gates is None:  # nothing to skip
+            lazy = False
         with self._decoding(batch, lazy) as decode:
             positions = _position_ids(attention_mask)
             for step in range(max_new_tokens):
