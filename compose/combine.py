@@ -60,9 +60,10 @@ from compose.export import (
 )
 from data.tasks import Expert, Task, TaskError, settings_from_node, task_class
 
-# Task settings that only shape training rows (rows per expert, how often a source is planted): exports whose
-# runs differ in them still share one compositional test set.
-TRAINING_ONLY_SETTINGS = ("n_train", "source_prob")
+# Task settings that only shape training rows (rows per expert, how often a source is planted) or the run's own
+# length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still share one compositional
+# test set.
+TRAINING_ONLY_SETTINGS = ("n_train", "source_prob", "eval_lengths", "n_per_length")
 BACKGROUND_MODES = ("copy", "ref")
 METRICS_NAME = "metrics.json"
 

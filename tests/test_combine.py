@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT, FAST = ROOT / "configs" / "default.yaml", ROOT / "configs" / "debug" / "fast.yaml"
 SETTINGS = {"name": "letters", "alphabet": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "min_len": 8, "max_len": 16,
             "format": "generative", "n_train": 256, "n_val": 32, "n_test": 32, "source_prob": 0.5,
-            "compositional_min_experts": None}
+            "compositional_min_experts": None, "eval_lengths": None, "n_per_length": 200}
 
 
 @pytest.fixture(scope="module")
