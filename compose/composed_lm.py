@@ -909,16 +909,23 @@ def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> It
         freed.flush()
         yield
     finally:
-        # layer by layer, dropping each stack once its parameters have their own storage again, so at most one
-        # layer's weights are held twice
-        for i, m in enumerate(layers):
-            vars(m).pop("forward", None)
-            if i < len(stacks) and stacks[i] is not None:
-                nbytes = stacks[i].cpu_shared_bytes()
-                stacks[i].release()
-                stacks[i] = None
-                freed.add(nbytes)  # the stack
-        freed.flush()
+        _restore_layers(layers, stacks, freed)
+
+
+def _restore_layers(layers: Sequence[nn.Module], stacks: list, freed: _FreedHeap,
+                    forwards: Sequence[dict] | None = None) -> None:
+    """Give each LoRA layer its own forward and parameter storage back, layer by layer, dropping each stack once
+    its parameters own their storage again (so at most one layer's weights are held twice)."""
+    for i, m in enumerate(layers):
+        vars(m).pop("forward", None)
+        if i < len(stacks) and stacks[i] is not None:
+            nbytes = stacks[i].cpu_shared_bytes()
+            stacks[i].release()
+            stacks[i] = None
+            if forwards is not None:
+                forwards[i].clear()  # their slices of the stack
+            freed.add(nbytes)  # the stack
+    freed.flush()
 
 
 class _FreedHeap:
@@ -1231,15 +1238,7 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
         select((0,))
         yield select
     finally:
-        for i, m in enumerate(layers):
-            vars(m).pop("forward", None)
-            if i < len(stacks) and stacks[i] is not None:
-                nbytes = stacks[i].cpu_shared_bytes()
-                stacks[i].release()
-                stacks[i] = None
-                forwards[i].clear()  # their slices of the stack
-                freed.add(nbytes)
-        freed.flush()
+        _restore_layers(layers, stacks, freed, forwards)
 
 
 def _blocks_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA | None,
