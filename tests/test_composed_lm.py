@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from tiny_models import EOS, PAD, VOCAB, char_tokenizer, tiny_model, tiny_peft
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import EOS, PAD, VOCAB, char_tokenizer, mixed_lora_model, tiny_model, tiny_peft
+from transformers import LlamaForCausalLM
 
 from compose import ComposedLM, compose_logprobs
 
@@ -258,35 +257,13 @@ def test_bad_arguments():
         ComposedLM.from_peft(peft_model, ["a", "b"]).generate(torch.ones(1, 3, dtype=torch.long), gates=[None])
 
 
-# One adapter per entry: (rank, alpha, targets); experts differ in rank and in the layers they adapt.
-_ADAPTERS = [(4, 8, "all-linear"), (2, 4, ["q_proj", "v_proj"]), (3, 3, ["gate_proj", "down_proj", "k_proj"])]
-
-
-def _mixed_lora_model(k: int):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = None
-    for i, (r, alpha, targets) in enumerate(_ADAPTERS[:k]):
-        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        if model is None:
-            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
-        else:
-            model.add_adapter(f"e{i}", lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.3)
-    return model.eval()
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypatch, k):
     """The adapters backend's stacked-LoRA path (one batched matmul per layer) gives what peft's own mixed batch
     and the separate backend (each adapter merged into a full copy) give, with different ranks and targets."""
     import compose.composed_lm as clm
 
-    model = _mixed_lora_model(k)
+    model = mixed_lora_model(k)
     names, weights = [f"e{i}" for i in range(k)], [1.0, 0.5, -0.3][:k]
     composed = ComposedLM.from_peft(model, names, weights=weights)
     assert clm._grouped_lora_supported(model, names)
@@ -312,7 +289,7 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
 def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storage():
     import compose.composed_lm as clm
 
-    model = _mixed_lora_model(3)
+    model = mixed_lora_model(3)
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
     weight_a, weight_b = q_proj.lora_A["e1"].weight, q_proj.lora_B["e1"].weight
     before = weight_a.detach().clone(), weight_b.detach().clone()

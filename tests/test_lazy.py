@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from tiny_models import PAD, VOCAB, random_lora, tiny_peft
+from tiny_models import PAD, VOCAB, mixed_lora_model, random_lora, tiny_peft
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import compose.composed_lm as clm
@@ -112,26 +111,6 @@ def test_lazy_without_gates_is_the_plain_path(backend):
             model.generate(ids, mask, lazy=bad, **KW)
 
 
-def _mixed_lora_model():
-    """Three adapters with different ranks, scalings and target modules (one adapts no MLP layer)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = None
-    for i, (r, alpha, targets) in enumerate([(4, 8, "all-linear"), (2, 4, ["q_proj", "v_proj"]),
-                                             (3, 3, ["gate_proj", "down_proj", "k_proj"])]):
-        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        if model is None:
-            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
-        else:
-            model.add_adapter(f"e{i}", lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.3)
-    return model.eval()
-
-
 def token_gate(residue: int):
     """A stateless user gate: open on the rows whose last token is ``residue`` mod 3."""
     return lambda prefix: prefix[:, -1] % 3 == residue
@@ -143,7 +122,7 @@ def test_lazy_with_user_gates_mixed_ranks_and_peft_fallback(monkeypatch, active_
     stacked path is unsupported; LoRA layers and parameter storage are restored afterwards."""
     if not stacked:
         monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
-    model = _mixed_lora_model()
+    model = mixed_lora_model()
     names = ["e0", "e1", "e2"]
     composed_lm = ComposedLM.from_peft(model, names, weights=[1.0, 0.5, -0.3])
     gates = [token_gate(0), token_gate(1), None]  # e2 always on

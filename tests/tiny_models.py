@@ -55,3 +55,27 @@ def random_lora(model, names=("a", "b"), seed: int = 0, scale: float = 0.3):
 def tiny_peft(arch: str = "llama", names=("a", "b"), seed: int = 0):
     """A PeftModel on `tiny_model(arch, seed)` with random LoRA adapters `names`."""
     return random_lora(tiny_model(arch, seed), names, seed)
+
+
+# One adapter per entry: (rank, alpha, targets); experts differ in rank and in the layers they adapt.
+_ADAPTERS = [(4, 8, "all-linear"), (2, 4, ["q_proj", "v_proj"]), (3, 3, ["gate_proj", "down_proj", "k_proj"])]
+
+
+def mixed_lora_model(k: int = 3):
+    """A peft Llama with `k` LoRA adapters `e0..` of different ranks, scalings and target modules (one adapts no
+    MLP layer), their B matrices random so no adapter is a no-op."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = None
+    for i, (r, alpha, targets) in enumerate(_ADAPTERS[:k]):
+        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        if model is None:
+            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
+        else:
+            model.add_adapter(f"e{i}", lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    return model.eval()
