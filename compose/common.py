@@ -1,4 +1,4 @@
-"""Small helpers shared across the framework: eval mode, the vocabulary check, atomic writes."""
+"""Small helpers shared across the framework: eval mode, the vocabulary check, position ids, atomic writes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 @contextmanager
@@ -42,6 +43,40 @@ def check_vocab(tokenizer, vocab_size: int | None, where: str) -> None:
     if tokenizer is not None and vocab_size is not None and len(tokenizer) > vocab_size:
         raise ValueError(f"{where}: the model's vocabulary has {vocab_size} tokens, fewer than the tokenizer's "
                          f"{len(tokenizer)}")
+
+
+# A model whose config holds this token id counts its position ids from 0 again at each occurrence of the token
+# (`model.position_encoding: coupled`, README "Length generalization"): with the separator of `<bos> x <sep> y`,
+# output token `y_t` gets the position id of the input token `x_t` it is computed from, so under RoPE the
+# distance between them is the same at every length and after any edit of the prefix (position coupling).
+POSITION_RESTART_KEY = "position_restart_token_id"
+
+
+def position_restart_token(model: nn.Module) -> int | None:
+    """The token id at which `model` restarts its position ids (`POSITION_RESTART_KEY` in its config), if any."""
+    if hasattr(model, "get_base_model"):  # a PeftModel: the wrapped model's config
+        model = model.get_base_model()
+    return getattr(getattr(model, "config", None), POSITION_RESTART_KEY, None)
+
+
+def position_ids(input_ids: Tensor, attention_mask: Tensor | None = None,
+                 restart_token_id: int | None = None) -> Tensor:
+    """Position ids `[B, T]` as Hugging Face `generate` computes them (count of attended tokens before each one,
+    0 at padding), counted from 0 again at each attended `restart_token_id` when one is given."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    if restart_token_id is not None:
+        restart = (input_ids == restart_token_id) & (attention_mask != 0)
+        positions = positions - torch.where(restart, positions, 0).cummax(-1).values
+    return positions
+
+
+def model_position_ids(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+    """The position ids a training or scoring forward of `model` needs: None (the model's own default) unless
+    its config restarts positions at a token (`position_restart_token`)."""
+    restart = position_restart_token(model)
+    return None if restart is None else position_ids(input_ids, attention_mask, restart)
 
 
 # Every atomic write here goes through a hidden sibling named `.<name>.tmp-<id>` (an old folder being replaced

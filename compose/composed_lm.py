@@ -35,7 +35,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from compose.common import eval_mode
+from compose.common import eval_mode, position_restart_token
+from compose.common import position_ids as position_ids_of
 from compose.export import load_export
 from compose.operator import compose_logprobs
 
@@ -231,6 +232,11 @@ class ComposedLM(nn.Module):
     def _base_model(self) -> PreTrainedModel:
         return self.model.get_base_model() if self.backend == "adapters" else self.background
 
+    @property
+    def position_restart(self) -> int | None:
+        """The token at which the models count positions from 0 again (``compose.common.position_ids``), if any."""
+        return position_restart_token(self._base_model())
+
     # ------------------------------------------------------------------ forward passes
 
     def _forward(
@@ -322,7 +328,8 @@ class ComposedLM(nn.Module):
         position_ids = None
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-            position_ids = _position_ids(attention_mask)
+        if attention_mask is not None or self.position_restart is not None:
+            position_ids = position_ids_of(input_ids, attention_mask, self.position_restart)
         with self._running(input_ids.shape[0]):
             logits = self._forward(input_ids, attention_mask, position_ids, caches=None, last_only=False)
         lp = logits.log_softmax(-1)
@@ -357,7 +364,8 @@ class ComposedLM(nn.Module):
         position_ids = None
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-            position_ids = _position_ids(attention_mask)
+        if attention_mask is not None or self.position_restart is not None:
+            position_ids = position_ids_of(input_ids, attention_mask, self.position_restart)
         with self._running(batch):
             heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
             if heads is None:  # an output head we cannot call on its own: all positions at once
@@ -540,7 +548,7 @@ class ComposedLM(nn.Module):
         if gates is None:  # nothing to skip
             lazy = False
         with self._decoding(batch, lazy) as decode:
-            positions = _position_ids(attention_mask)
+            positions = position_ids_of(input_ids, attention_mask, self.position_restart)
             for step in range(max_new_tokens):
                 masks = _gate_masks(gates, input_ids, device)
                 active = _active_experts(masks, unfinished) if lazy else None
@@ -566,7 +574,10 @@ class ComposedLM(nn.Module):
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
                 if step == max_new_tokens - 1 or not bool(unfinished.any()):
                     break
-                positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
+                following = positions[:, -1:] + 1
+                if self.position_restart is not None:
+                    following = following.masked_fill(next_tokens[:, None] == self.position_restart, 0)
+                positions = torch.cat([positions, following], dim=-1)
         return input_ids
 
     @contextmanager
@@ -611,12 +622,6 @@ def _check_composition(composition: str) -> str:
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
     return composition
-
-
-def _position_ids(attention_mask: Tensor) -> Tensor:
-    """Position ids of a (left-padded) batch, exactly as Hugging Face ``generate`` computes them."""
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    return position_ids.masked_fill(attention_mask == 0, 0)
 
 
 def _infer_attention_mask(input_ids: Tensor, eos: Tensor | None, pad: Tensor | None) -> Tensor:

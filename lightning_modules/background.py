@@ -8,6 +8,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
+from compose.common import model_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, task_nll
 
@@ -19,9 +20,8 @@ class BackgroundLM(pl.LightningModule):
         model: the HF causal LM (from scratch or pretrained).
         lr, weight_decay, warmup_ratio: AdamW and its warm-up/cosine schedule.
         max_steps: length of the schedule (the Trainer's `max_steps`).
-        position_jump: 0, or the largest random jump of the position ids at each training row's output
-            (`jumped_position_ids`): a random position offset of the output, so that no fixed distance between an
-            input and its output can be learned (README, "Length generalization"). Validation uses plain positions.
+        position_jump: 0, or the largest random jump of each training row's position ids
+            (`training_position_ids`; README, "Length generalization"). Validation uses the model's own positions.
 
     Validation logs `val/nll` (mean over target tokens) and `val/teacher_forced_exact_match` (fraction of rows
     whose every target is the argmax), torchmetrics that reduce across the ranks of a distributed run.
@@ -36,13 +36,12 @@ class BackgroundLM(pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is None:  # the model's own (`compose.common.model_position_ids`)
+            position_ids = model_position_ids(self.model, input_ids, attention_mask)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        positions = None
-        if self.hparams.position_jump:
-            positions = jumped_position_ids(batch["output_start"], batch["input_ids"].shape[1],
-                                            self.hparams.position_jump).to(batch["input_ids"].device)
+        positions = training_position_ids(self.model, batch, self.hparams.position_jump)
         loss = task_nll(self(batch["input_ids"], batch["attention_mask"], positions), batch["targets"])
         self.log("train/nll", loss, prog_bar=True)
         return loss
@@ -61,21 +60,41 @@ class BackgroundLM(pl.LightningModule):
         return adamw_with_schedule(self.model.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
 
 
-def jumped_position_ids(output_start: Tensor, width: int, max_jump: int,
+def training_position_ids(model: torch.nn.Module, batch: dict[str, Tensor], max_jump: int) -> Tensor | None:
+    """Position ids of a training batch: the model's own (`compose.common.model_position_ids`; None: its default),
+    jumped by a random `d` in `[0, max_jump]` per row (`jumped_position_ids`) when `max_jump > 0`.
+
+    Plain positions jump from the separator on (`output_start - 1`): the distance from an input token to the
+    output that copies it varies. Coupled positions (restarted at the separator, so that output `y_t` sits at
+    input `x_t`'s position) jump from `x_1` on: input and output move together, away from `<bos>`, so no output
+    can tell how far it is from the start (a shortcut to `<eos>` at the training lengths), while the distance
+    from `y_t` to `x_t` stays fixed.
+    """
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    positions = model_position_ids(model, ids, attn)
+    if not max_jump:
+        return positions
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        jump_from = batch["output_start"] - 1
+    else:
+        jump_from = torch.ones_like(batch["output_start"])
+    return jumped_position_ids(jump_from, positions, max_jump).to(ids.device)
+
+
+def jumped_position_ids(jump_from: Tensor, positions: Tensor, max_jump: int,
                         generator: torch.Generator | None = None) -> Tensor:
-    """Position ids `[B, width]` that jump at each row's output: `0, 1, ..., width - 1`, plus a jump `d` drawn
-    uniformly in `[0, max_jump]` per row from the token before the output on (`output_start - 1`, the separator of
-    the letter task's `<bos> x <sep> y <eos>`), so the distance from an input token to the output that copies it is
-    random in training, while decoding sees `d = 0`.
+    """`positions` `[B, T]` plus a jump `d` drawn uniformly in `[0, max_jump]` per row, from index `jump_from[b]`
+    of each row on (training rows are right-padded, so an index is a position in the row); decoding sees `d = 0`.
 
     Args:
-        output_start: `[B]` index of each row's first output token (task rows, `data.tasks.base`).
-        width: the batch's padded length `T`.
+        jump_from: `[B]` the first index of each row that jumps.
+        positions: `[B, T]` the position ids before the jump.
         max_jump: the largest jump (>= 0).
         generator: the RNG of the draws (default: torch's global one, which Lightning seeds).
     """
     if max_jump < 0:
         raise ValueError(f"max_jump must be >= 0, got {max_jump}")
-    jump = torch.randint(0, max_jump + 1, (output_start.shape[0], 1), generator=generator)
-    positions = torch.arange(width).expand(output_start.shape[0], width)
-    return positions + jump * (positions >= output_start.cpu().unsqueeze(1) - 1)
+    jump = torch.randint(0, max_jump + 1, (positions.shape[0], 1), generator=generator).to(positions.device)
+    index = torch.arange(positions.shape[1], device=positions.device)
+    return positions + jump * (index >= jump_from.to(positions.device).unsqueeze(1))

@@ -20,9 +20,9 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from compose import ComposedLM
-from compose.common import eval_mode
+from compose.common import eval_mode, model_position_ids
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
-from lightning_modules.background import jumped_position_ids
+from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
 from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
@@ -57,8 +57,8 @@ class ExpertLM(pl.LightningModule):
             its top-k tokens and the tail mass) the first time a (row, corruption variant) is seen, and read
             from the cache after that; training batches must carry `row_index` and `corruption_variant`
             (`TaskDataModule(corruption_variants=n)`). Exact when `k` covers the vocabulary.
-        position_jump: 0, or the largest random jump of the position ids at each training row's output, for the
-            expert and its background alike (`lightning_modules.background.jumped_position_ids`); not with
+        position_jump: 0, or the largest random jump of each training row's position ids, for the expert and its
+            background alike (`lightning_modules.background.training_position_ids`); not with
             `background_top_k` (the cache holds one set of positions per row).
     """
 
@@ -145,7 +145,10 @@ class ExpertLM(pl.LightningModule):
     # --- forwards -----------------------------------------------------------------------------
     def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
                       position_ids: Tensor | None = None) -> Tensor:
-        """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA."""
+        """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA. Position ids default
+        to the model's own (`compose.common.model_position_ids`)."""
+        if position_ids is None:
+            position_ids = model_position_ids(self._background_model, input_ids, attention_mask)
         if self.hparams.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             with eval_mode(self.model):
@@ -170,6 +173,8 @@ class ExpertLM(pl.LightningModule):
         `disable_adapter()` is the `PeftModel`'s own (found under any DDP/FSDP wrapper: `peft_model`); the forward
         goes through `self.model`, so that a wrapper that holds the weights sharded (FSDP) gathers them.
         """
+        if position_ids is None:
+            position_ids = model_position_ids(self._background_model, input_ids, attention_mask)
         if self.hparams.mode != "lora":
             with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
                 return self.background(input_ids=input_ids, attention_mask=attention_mask,
@@ -183,6 +188,11 @@ class ExpertLM(pl.LightningModule):
         # Leaving disable_adapter() re-activates only peft's "active" adapter and freezes the others.
         peft.set_requires_grad(self.names, True)
         return logits
+
+    @property
+    def _background_model(self) -> nn.Module:
+        """The model whose config says how positions count (under LoRA, the PeftModel around the background)."""
+        return self.peft_model if self.hparams.mode == "lora" else self.background
 
     @property
     def peft_model(self) -> PeftModel:
@@ -208,9 +218,9 @@ class ExpertLM(pl.LightningModule):
         own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
         expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
         log_now = self.global_step % h.log_every_n_steps == 0
-        bg, positions = None, None
-        if h.position_jump:  # the same jumped positions for the expert and its background
-            positions = jumped_position_ids(batch["output_start"], ids.shape[1], h.position_jump).to(ids.device)
+        bg = None
+        # the same (jumped) positions for the expert and its background
+        positions = training_position_ids(self._background_model, batch, h.position_jump)
         if h.reg_weight > 0 or log_now:
             bg = (self.background_logits(ids, attn, positions) if self.background_cache is None
                   else self.cached_background(batch))

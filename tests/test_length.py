@@ -13,6 +13,7 @@ import torch
 from compose import ComposedLM
 from data.tasks import Expert
 from data.tasks.letters import LettersConfig, LettersTask
+from data.tokenizer import build_char_tokenizer
 from lightning_modules.background import BackgroundLM, jumped_position_ids
 from lightning_modules.pipeline.config import ConfigError, ModelConfig, load_config
 from lightning_modules.pipeline.models import build_causal_lm, load_pretrained, position_options
@@ -86,14 +87,38 @@ def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_writte
 def test_jumped_position_ids_shift_each_row_from_its_separator():
     gen = torch.Generator().manual_seed(0)
     start = torch.tensor([4, 6, 3])
-    pos = jumped_position_ids(start, 9, 5, gen)
+    plain = torch.arange(9).expand(3, 9)
+    pos = jumped_position_ids(start - 1, plain, 5, gen)
     for row, s in zip(pos, start.tolist(), strict=True):
         assert row[: s - 1].tolist() == list(range(s - 1))  # <bos> x: plain
         jump = int(row[s - 1]) - (s - 1)  # from the separator on: shifted by one jump
         assert 0 <= jump <= 5 and row[s - 1:].tolist() == [t + jump for t in range(s - 1, 9)]
-    draws = jumped_position_ids(torch.full((2000,), 3), 4, 5, gen)[:, 3] - 3
+    draws = jumped_position_ids(torch.full((2000,), 2), torch.arange(4).expand(2000, 4), 5, gen)[:, 3] - 3
     assert set(draws.tolist()) == set(range(6))  # every jump in [0, max_jump] is drawn
-    assert jumped_position_ids(start, 9, 0).equal(torch.arange(9).expand(3, 9))
+    assert jumped_position_ids(start - 1, plain, 0).equal(plain)
+
+
+def test_coupled_positions_restart_at_the_separator_and_jump_together(tmp_path):
+    """`coupled`: y_t gets x_t's position id (the separator restarts the count), after padding as before, through
+    a save and reload; a training jump moves input and output together, keeping y_t on x_t."""
+    from compose.common import position_ids, position_restart_token
+    from lightning_modules.background import training_position_ids
+
+    ids = torch.tensor([[0, 0, 1, 5, 6, 3, 7, 8, 2], [1, 5, 6, 7, 3, 9, 9, 9, 2]])  # <bos>=1 <sep>=3 <eos>=2
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    assert position_ids(ids, mask, 3).tolist() == [[0, 0, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert position_ids(ids, mask).tolist()[1] == list(range(9))
+    tokenizer = build_char_tokenizer("ABC")
+    model = build_causal_lm(ModelConfig(position_encoding="coupled"), tokenizer)
+    model.save_pretrained(tmp_path)
+    assert position_restart_token(load_pretrained(tmp_path)) == tokenizer.sep_token_id == 3
+    batch = {"input_ids": ids[1:], "attention_mask": mask[1:], "output_start": torch.tensor([5])}
+    torch.manual_seed(0)
+    jumped = [training_position_ids(model, batch, 6)[0].tolist() for _ in range(40)]
+    assert {row[1] - 1 for row in jumped} == set(range(7))
+    for row in jumped:
+        d = row[1] - 1
+        assert row == [0, 1 + d, 2 + d, 3 + d, d, 1 + d, 2 + d, 3 + d, 4 + d]
 
 
 class _Recorder(torch.nn.Module):
@@ -221,3 +246,30 @@ def test_expert_position_jump_and_the_background_cache_are_refused_together(tmp_
     with pytest.raises(ConfigError, match="expert.position_jump cannot be used with expert.background_cache"):
         load_config([LENGTH], [f"output_dir={tmp_path / 'run'}", "expert.position_jump=4",
                                "expert.background_cache={top_k: 8}"], base=DEFAULT)
+
+
+def test_composed_decoding_counts_coupled_positions_as_teacher_forcing_does():
+    """Greedy decoding with a KV cache extends coupled positions step by step (restarting at a generated
+    separator); scoring the decoded rows at once, with positions from the whole row, picks the same tokens."""
+    tokenizer = build_char_tokenizer("ABCD")
+    torch.manual_seed(0)
+    model = build_causal_lm(ModelConfig(position_encoding="coupled", hidden_size=32, num_heads=2), tokenizer).eval()
+    lm = ComposedLM(model, [], tokenizer=tokenizer)
+    sep = tokenizer.sep_token_id
+    prompt = torch.tensor([[tokenizer.bos_token_id, 5, 6, 7, sep], [tokenizer.pad_token_id, tokenizer.bos_token_id,
+                                                                   8, 5, sep]])
+    attn = (prompt != tokenizer.pad_token_id).long()
+    out = lm.generate(prompt, attn, max_new_tokens=12, do_sample=False)
+    full_attn = torch.cat([attn, torch.ones(2, out.shape[1] - prompt.shape[1], dtype=torch.long)], 1)
+    background, _ = lm.component_logprobs(out, full_attn)
+    new = slice(prompt.shape[1] - 1, out.shape[1] - 1)
+    done = (out[:, prompt.shape[1]:] == tokenizer.eos_token_id).cumsum(1) - (out[:, prompt.shape[1]:] ==
+                                                                             tokenizer.eos_token_id).long()
+    live = done == 0  # up to and including the first <eos>
+    assert (background[:, new].argmax(-1) == out[:, prompt.shape[1]:])[live].all()
+    plain = model.config.position_restart_token_id
+    del model.config.position_restart_token_id  # the same weights with plain positions score differently
+    assert lm.position_restart is None
+    unrestarted, _ = lm.component_logprobs(out, full_attn)
+    model.config.position_restart_token_id = plain
+    assert (unrestarted - background).abs().max() > 1e-4

@@ -57,7 +57,9 @@ class ModelConfig:
     # map (METHOD.md §2, feature space; a model built from scratch, LoRA experts): pipeline/feature_head.py
     head: str = "token"
     # Positions in a Llama built from scratch: rope (rotary, base `rope_theta`) | nope (none: causal attention
-    # alone tells order; stored in the model's config, so a reloaded or exported model stays NoPE).
+    # alone tells order) | coupled (RoPE, with position ids counted from 0 again at the task's separator, so an
+    # output token sits at its input token's position: `compose.common.position_ids`). Stored in the model's
+    # config, so a reloaded or exported model keeps them.
     position_encoding: str = "rope"
     rope_theta: float = 10000.0
 
@@ -77,9 +79,10 @@ class BackgroundConfig:
     # Prefix corruption ρ (METHOD.md §5): teacher-forced output letters replaced at random, targets clean.
     # A number, or [low, high]: each row's rate drawn uniformly in that range (`data.collate.Collator`).
     corruption_prob: Any = 0.2
-    # Random position offset of each training row's output, in [0, position_jump] (0: none): no input-to-output
-    # distance can be learned as fixed (`lightning_modules.background.jumped_position_ids`; README, "Length
-    # generalization"). The ids then reach max row length + position_jump (checked against the model's limit).
+    # Random position offset of each training row, in [0, position_jump] (0: none), from the separator on (no
+    # input-to-output distance can be learned as fixed) or, with model.position_encoding=coupled, from x_1 on (no
+    # output can tell its distance from <bos>): `lightning_modules.background.training_position_ids`; README,
+    # "Length generalization". The ids then reach max row length + position_jump (checked against the model's limit).
     position_jump: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -213,7 +216,7 @@ CHOICES = {
     "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
     "model.head": ("token", "factored"),
     "expert.regularizer": ("token", "features"),
-    "model.position_encoding": ("rope", "nope"),
+    "model.position_encoding": ("rope", "nope", "coupled"),
 }
 
 

@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from compose.common import atomic_save, check_vocab
+from compose.common import POSITION_RESTART_KEY, atomic_save, check_vocab
 from lightning_modules.pipeline.config import ConfigError, ModelConfig
 from lightning_modules.pipeline.feature_head import factor_output_layer
 from losses.features import FeatureMap
@@ -70,6 +70,11 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase,
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     if getattr(cfg, "gradient_checkpointing", False):
         _enable_checkpointing(model)
+    if getattr(cfg, "position_encoding", "rope") == "coupled":
+        if tokenizer.sep_token_id is None:
+            raise ConfigError("model.position_encoding=coupled restarts positions at the separator token, but the "
+                              "task's tokenizer has no sep_token")
+        setattr(model.config, POSITION_RESTART_KEY, tokenizer.sep_token_id)
     if getattr(cfg, "head", "token") == "factored":
         if feature_map is None:
             raise ConfigError("model.head=factored needs a task with a feature map (task.name=features)")
@@ -92,8 +97,8 @@ def position_options(cfg: ModelConfig) -> dict[str, Any]:
     encoding, theta = getattr(cfg, "position_encoding", "rope"), float(getattr(cfg, "rope_theta", 10000.0))
     if encoding == "nope":
         return {"rope_parameters": {"rope_type": "linear", "factor": NOPE_FACTOR, "rope_theta": theta}}
-    if encoding != "rope":
-        raise ConfigError(f"model.position_encoding={encoding!r} is not one of rope, nope")
+    if encoding not in ("rope", "coupled"):  # coupled: RoPE, its position ids restarted by `build_causal_lm`
+        raise ConfigError(f"model.position_encoding={encoding!r} is not one of rope, nope, coupled")
     return {} if theta == 10000.0 else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
