@@ -45,10 +45,12 @@ def check_vocab(tokenizer, vocab_size: int | None, where: str) -> None:
                          f"{len(tokenizer)}")
 
 
-# A model whose config holds this token id counts its position ids from 0 again at each occurrence of the token
-# (`model.position_encoding: coupled`, README "Length generalization"): with the separator of `<bos> x <sep> y`,
-# output token `y_t` gets the position id of the input token `x_t` it is computed from, so under RoPE the
-# distance between them is the same at every length and after any edit of the prefix (position coupling).
+# A model whose config holds this token id couples its output positions to its input's (position coupling,
+# `model.position_encoding: coupled`, README "Length generalization"): the t-th token after `<bos>` sits at 2t, the
+# separator at 1 and the j-th token after it at 2j + 1. In `<bos> x <sep> y` the step that predicts `y_t` (position
+# 2t − 1) then sits one before `x_t` (2t), the same offset under RoPE at every length and after any edit of the
+# prefix; the odd/even split leaves room to spread the input over random positions in training
+# (`lightning_modules.background.training_position_ids`) while that offset stays 1.
 POSITION_RESTART_KEY = "position_restart_token_id"
 
 
@@ -62,14 +64,25 @@ def position_restart_token(model: nn.Module) -> int | None:
 def position_ids(input_ids: Tensor, attention_mask: Tensor | None = None,
                  restart_token_id: int | None = None) -> Tensor:
     """Position ids `[B, T]` as Hugging Face `generate` computes them (count of attended tokens before each one,
-    0 at padding), counted from 0 again at each attended `restart_token_id` when one is given."""
+    0 at padding); with a `restart_token_id`, coupled (`POSITION_RESTART_KEY`): `2i` before the first such token,
+    `2j + 1` for the j-th token from the latest one on."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     if restart_token_id is not None:
         restart = (input_ids == restart_token_id) & (attention_mask != 0)
-        positions = positions - torch.where(restart, positions, 0).cummax(-1).values
+        since = positions - torch.where(restart, positions, 0).cummax(-1).values
+        positions = torch.where(restart.cumsum(-1) > 0, 2 * since + 1, 2 * positions)
+        positions = positions.masked_fill(attention_mask == 0, 0)
     return positions
+
+
+def next_position_ids(last: Tensor, next_tokens: Tensor, restart_token_id: int | None = None) -> Tensor:
+    """The position ids `[B, 1]` of the tokens `next_tokens` `[B]` that follow positions `last` `[B, 1]` (cached
+    decoding), consistent with `position_ids`."""
+    if restart_token_id is None:
+        return last + 1
+    return (last + 2).masked_fill(next_tokens[:, None] == restart_token_id, 1)
 
 
 def model_position_ids(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:

@@ -35,7 +35,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from compose.common import eval_mode, position_restart_token
+from compose.common import eval_mode, next_position_ids, position_restart_token
 from compose.common import position_ids as position_ids_of
 from compose.export import load_export
 from compose.operator import compose_logprobs
@@ -574,9 +574,7 @@ class ComposedLM(nn.Module):
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
                 if step == max_new_tokens - 1 or not bool(unfinished.any()):
                     break
-                following = positions[:, -1:] + 1
-                if self.position_restart is not None:
-                    following = following.masked_fill(next_tokens[:, None] == self.position_restart, 0)
+                following = next_position_ids(positions[:, -1:], next_tokens, self.position_restart)
                 positions = torch.cat([positions, following], dim=-1)
         return input_ids
 

@@ -62,24 +62,46 @@ class BackgroundLM(pl.LightningModule):
 
 def training_position_ids(model: torch.nn.Module, batch: dict[str, Tensor], max_jump: int) -> Tensor | None:
     """Position ids of a training batch: the model's own (`compose.common.model_position_ids`; None: its default),
-    jumped by a random `d` in `[0, max_jump]` per row (`jumped_position_ids`) when `max_jump > 0`.
+    randomized when `max_jump > 0`.
 
-    Plain positions jump from the separator on (`output_start - 1`): the distance from an input token to the
-    output that copies it varies. Coupled positions (restarted at the separator, so that output `y_t` sits at
-    input `x_t`'s position) jump from `x_1` on: input and output move together, away from `<bos>`, so no output
-    can tell how far it is from the start (a shortcut to `<eos>` at the training lengths), while the distance
-    from `y_t` to `x_t` stays fixed.
+    Plain positions jump by a random `d` in `[0, max_jump]` from the separator on (`jumped_position_ids`): the
+    distance from an input token to the output that copies it varies. Coupled positions (`coupled_position_ids`)
+    spread the input over random slots of `[1, len(x) + 1 + max_jump]`, the output following: the step that predicts
+    `y_t` stays one position before `x_t`, while every other distance (to `<bos>`, to the separator, between input
+    tokens) varies, so none of them can stand in for the length.
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     positions = model_position_ids(model, ids, attn)
     if not max_jump:
         return positions
     if positions is None:
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        jump_from = batch["output_start"] - 1
-    else:
-        jump_from = torch.ones_like(batch["output_start"])
-    return jumped_position_ids(jump_from, positions, max_jump).to(ids.device)
+        plain = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return jumped_position_ids(batch["output_start"] - 1, plain, max_jump).to(ids.device)
+    return coupled_position_ids(batch["output_start"], ids.shape[1], max_jump).to(ids.device)
+
+
+def coupled_position_ids(output_start: Tensor, width: int, max_jump: int,
+                         generator: torch.Generator | None = None) -> Tensor:
+    """Coupled position ids `[B, width]` of rows `<bos> x <sep> y ...` (right-padded) with random slots: per row,
+    `L + 1` sorted distinct slots `s_1 < ... < s_{L+1}` drawn from `[1, L + 1 + max_jump]` (`L = len(x)`); `<bos>` at
+    0, `x_t` at `2 s_t`, the separator and `y_j` (the steps that predict `y_{j+1}`) at `2 s_{j+1} - 1`, and the tokens
+    after `y_L` 2 apart from there. `max_jump = 0` gives `compose.common.position_ids` (`s_t = t`).
+
+    Args:
+        output_start: `[B]` index of each row's first output token (`L = output_start - 2`).
+        width: the batch's padded length `T`.
+        max_jump: the room for gaps (>= 0).
+        generator: the RNG of the draws (default: torch's global one, which Lightning seeds).
+    """
+    rows = []
+    for start in output_start.tolist():
+        n = start - 1  # L + 1 slots: x_1..x_L, then one past x_L (the step that predicts <eos>)
+        slots = torch.randperm(n + max_jump, generator=generator)[:n].sort().values + 1
+        input_side = torch.cat([torch.zeros(1, dtype=torch.long), 2 * slots[:-1]])
+        output_side = 2 * slots - 1
+        tail = output_side[-1] + 2 * torch.arange(1, max(width - 2 * n, 0) + 1)
+        rows.append(torch.cat([input_side, output_side, tail])[:width])
+    return torch.stack(rows)
 
 
 def jumped_position_ids(jump_from: Tensor, positions: Tensor, max_jump: int,

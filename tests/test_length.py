@@ -62,7 +62,7 @@ def test_default_positions_build_the_model_as_before():
 @pytest.mark.parametrize("override, message", [
     ("model.max_position_embeddings=64", "model.max_position_embeddings=64 is shorter than the task's longest row "
                                          "(67 tokens, from task.eval_lengths=[4, 32])"),
-    ("task.eval_lengths=[4,40]", "from task.eval_lengths=[4, 40]): raise it to >= 83"),
+    ("task.eval_lengths=[4,40];model.max_position_embeddings=80", "from task.eval_lengths=[4, 40]): raise it to >= 84"),
     ("task.eval_lengths=[1,32]", "task.eval_lengths=[1, 32]: compositional inputs plant a source letter of 2"),
     ("task.eval_lengths=[8,4]", "task.eval_lengths=[8, 4]: give [shortest, longest]"),
     ("task.eval_lengths=[4]", "task.eval_lengths=[4]: give [shortest, longest]"),
@@ -70,11 +70,14 @@ def test_default_positions_build_the_model_as_before():
     ("model.arch=gpt2;model.position_encoding=nope", "model.position_encoding=nope applies to a Llama built from "
                                                     "scratch (model.arch=llama, no model.pretrained_path); got "
                                                     "model.arch=gpt2"),
-    ("model.arch=gpt2;model.rope_theta=500.0", "model.rope_theta=500.0 applies to a Llama built from scratch"),
+    ("model.arch=gpt2;model.position_encoding=coupled", "model.position_encoding=coupled applies to a Llama built "
+                                                        "from scratch"),
+    ("model.arch=gpt2;model.position_encoding=rope;model.rope_theta=500.0", "model.rope_theta=500.0 applies to a "
+                                                                           "Llama built from scratch"),
     ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of rope, nope"),
     ("background.position_jump=-1", "background.position_jump=-1: must be an integer >= 0"),
-    ("background.position_jump=100", "background.position_jump=100: position ids may reach 166 (the longest row, 67 "
-                                     "tokens, plus the jump), beyond model.max_position_embeddings"),
+    ("background.position_jump=100", "background.position_jump=100: position ids may reach 267 (the longest row, 67 "
+                                     "tokens, and the jump), beyond model.max_position_embeddings=128"),
 ])
 def test_bad_lengths_and_positions_are_one_line_errors_before_anything_is_written(tmp_path, override, message):
     out = tmp_path / "run"
@@ -98,27 +101,30 @@ def test_jumped_position_ids_shift_each_row_from_its_separator():
     assert jumped_position_ids(start - 1, plain, 0).equal(plain)
 
 
-def test_coupled_positions_restart_at_the_separator_and_jump_together(tmp_path):
-    """`coupled`: y_t gets x_t's position id (the separator restarts the count), after padding as before, through
-    a save and reload; a training jump moves input and output together, keeping y_t on x_t."""
+def test_coupled_positions_put_each_output_step_one_before_its_input_and_randomize_the_rest(tmp_path):
+    """`coupled`: x_t at 2t, the separator at 1 and the step predicting y_t at 2t - 1 (after left padding as
+    before, through a save and reload); random slots in training keep that offset and vary every other one."""
     from compose.common import position_ids, position_restart_token
-    from lightning_modules.background import training_position_ids
+    from lightning_modules.background import coupled_position_ids, training_position_ids
 
     ids = torch.tensor([[0, 0, 1, 5, 6, 3, 7, 8, 2], [1, 5, 6, 7, 3, 9, 9, 9, 2]])  # <bos>=1 <sep>=3 <eos>=2
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
-    assert position_ids(ids, mask, 3).tolist() == [[0, 0, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert position_ids(ids, mask, 3).tolist() == [[0, 0, 0, 2, 4, 1, 3, 5, 7], [0, 2, 4, 6, 1, 3, 5, 7, 9]]
     assert position_ids(ids, mask).tolist()[1] == list(range(9))
+    assert coupled_position_ids(torch.tensor([5]), 9, 0).equal(position_ids(ids[1:], mask[1:], 3))
     tokenizer = build_char_tokenizer("ABC")
     model = build_causal_lm(ModelConfig(position_encoding="coupled"), tokenizer)
     model.save_pretrained(tmp_path)
     assert position_restart_token(load_pretrained(tmp_path)) == tokenizer.sep_token_id == 3
     batch = {"input_ids": ids[1:], "attention_mask": mask[1:], "output_start": torch.tensor([5])}
     torch.manual_seed(0)
-    jumped = [training_position_ids(model, batch, 6)[0].tolist() for _ in range(40)]
-    assert {row[1] - 1 for row in jumped} == set(range(7))
-    for row in jumped:
-        d = row[1] - 1
-        assert row == [0, 1 + d, 2 + d, 3 + d, d, 1 + d, 2 + d, 3 + d, 4 + d]
+    rows = [training_position_ids(model, batch, 6)[0].tolist() for _ in range(50)]
+    for row in rows:  # <bos> x_1..x_3 <sep> y_1..y_3 <eos>
+        inputs, steps = row[1:4], row[4:8]  # the steps predicting y_1, y_2, y_3, <eos>
+        assert row[0] == 0 and inputs == sorted(inputs) and all(v % 2 == 0 for v in inputs)
+        assert [v + 1 for v in steps[:3]] == inputs and steps[3] > inputs[-1] and steps[3] <= 2 * 10 - 1
+        assert row[8] == steps[3] + 2
+    assert len({tuple(r) for r in rows}) > 10 and {r[4] for r in rows} != {1}  # random, not always consecutive
 
 
 class _Recorder(torch.nn.Module):

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = str(ROOT / "configs" / "debug" / "fast.yaml")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("train_separately", ROOT / "scripts" / "train_separately.py")
+def _script(name: str = "train_separately"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -55,6 +55,18 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
                             "report=false"])
     assert again["compositions"][0] == results["compositions"][0]
     assert "train.py" not in capsys.readouterr().out
+    # the k-curve of these runs: k = 1 each expert alone, the other k their compositions, decoding timed against k
+    plot = tmp_path / "k.png"
+    curve = _script("k_curve").main(["--curve", f"modular={out}", "--timing", str(out / "combined"), "--ks", "1,3",
+                                     "--out", str(plot)])
+    modular = curve["curves"]["modular"]  # of the second call's separate.json: three experts, no subsets
+    assert sorted(modular) == ["1", "3"] and modular["1"]["n"] == 3
+    assert modular["1"]["min"] == min(again["alone"].values())
+    assert modular["3"]["mean"] == pytest.approx(again["compositions"][0]["exact_match"])
+    assert plot.is_file() and json.loads(plot.with_suffix(".json").read_text()) == json.loads(json.dumps(curve))
+    assert set(curve["decode_ms_per_token"]) == {"1", "3"} and all(v > 0 for v in curve["decode_ms_per_token"].values())
+    with pytest.raises(SystemExit, match="holds neither separate.json"):
+        _script("k_curve").main(["--curve", f"x={tmp_path}", "--out", str(plot)])
 
 
 def test_co_training_rows_are_refused():

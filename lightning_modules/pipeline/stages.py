@@ -223,17 +223,19 @@ def plan_run(cfg: DictConfig) -> Plan:
             raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
                               f"{task.name!r} has none")
     longest, positions = task.max_row_length, cfg.model.max_position_embeddings
-    if not is_pretrained(cfg) and longest is not None and longest > positions:
+    coupled = cfg.model.position_encoding == "coupled"  # ids up to the row length, 2 per slot of jump room
+    if not is_pretrained(cfg) and longest is not None and longest + coupled > positions:
         key = getattr(task.cfg, "max_row_length_key", "task.max_len")  # what sets the longest row
         raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
-                          f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= {longest} "
-                          f"or lower {key}")
+                          f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= "
+                          f"{longest + coupled} or lower {key}")
     key, jump = max((("background.position_jump", cfg.background.position_jump),
                      ("expert.position_jump", cfg.expert.position_jump)), key=lambda item: item[1])
-    if jump and not is_pretrained(cfg) and longest is not None and longest + jump > positions:
-        raise ConfigError(f"{key}={jump}: position ids may reach {longest + jump - 1} (the longest row, {longest} "
-                          f"tokens, plus the jump), beyond model.max_position_embeddings={positions}: raise it to >= "
-                          f"{longest + jump} or lower {key}")
+    reach = longest - 1 + jump * (1 + coupled) + coupled if longest is not None else None
+    if jump and not is_pretrained(cfg) and longest is not None and reach >= positions:
+        raise ConfigError(f"{key}={jump}: position ids may reach {reach} (the longest row, {longest} tokens, and "
+                          f"the jump), beyond model.max_position_embeddings={positions}: raise it to >= {reach + 1} "
+                          f"or lower {key}")
     for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
         if OmegaConf.select(cfg, key):
             model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
@@ -412,6 +414,7 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         regularizer=e.regularizer, feature_map=plan.task.feature_map,
         owned_features={n: plan.task.owned_features(n) for n in plan.trained},
         background_top_k=e.background_cache.top_k if e.background_cache is not None else None,
+        loss_chunk_size=e.loss_chunk_size,
     )
 
 
