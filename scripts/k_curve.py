@@ -9,7 +9,8 @@ A curve's sources are run folders, comma-separated:
 - a `scripts/train_separately.py` output (`separate.json`): every composition it evaluated (the combined one and
   its `--subsets`) at its k, and each expert alone at k = 1;
 - a `train.py` run (`summary.json`): its composition at its k (k = 1: its expert alone).
-Points at the same k are averaged; the band spans their lowest and highest value.
+Points at the same k are averaged; the band spans their lowest and highest value. `--points NAME=K:EM,K:EM...`
+adds figures measured elsewhere (say, a README table) to the curve NAME.
 
 `--timing EXPORT`: an export holding at least the largest k experts; greedy decoding of the composition of its
 first k experts (adapters backend, batch 1, 8 letter prompts of 12 letters), median ms per generated token.
@@ -45,12 +46,11 @@ def points(folder: Path) -> list[tuple[int, float]]:
     raise SystemExit(f"k_curve: {folder} holds neither separate.json (train_separately.py) nor summary.json")
 
 
-def curve(folders: list[Path]) -> dict[int, dict[str, float]]:
-    """Mean, min, max and count of the composed exact match per k over `folders`."""
+def curve(folders: list[Path], extra: list[tuple[int, float]] = ()) -> dict[int, dict[str, float]]:
+    """Mean, min, max and count of the composed exact match per k over `folders` and the `extra` points."""
     by_k: dict[int, list[float]] = defaultdict(list)
-    for folder in folders:
-        for k, em in points(folder):
-            by_k[k].append(em)
+    for k, em in [pair for folder in folders for pair in points(folder)] + list(extra):
+        by_k[k].append(em)
     return {k: {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)}
             for k, v in sorted(by_k.items())}
 
@@ -94,21 +94,22 @@ def plot(curves: dict[str, dict[int, dict[str, float]]], timing: dict[int, float
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2 if timing else 1, figsize=(10 if timing else 5.5, 4), squeeze=False)
+    all_ks = sorted({k for c in curves.values() for k in c} | set(timing or {}))
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_ks, [str(k) for k in all_ks])
+        ax.set_xlabel("experts composed (k)")
     ax = axes[0, 0]
     for name, c in curves.items():
         ks = list(c)
         ax.plot(ks, [c[k]["mean"] for k in ks], marker="o", label=name)
         ax.fill_between(ks, [c[k]["min"] for k in ks], [c[k]["max"] for k in ks], alpha=0.2)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("experts composed (k)")
     ax.set_ylabel("composed exact match")
     ax.axhline(0.99, color="grey", lw=0.8, ls="--")
     ax.legend()
     if timing:
         ax = axes[0, 1]
         ax.plot(list(timing), list(timing.values()), marker="o", color="black")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("experts composed (k)")
         ax.set_ylabel("decoding time (ms per token, batch 1)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,17 +118,32 @@ def plot(curves: dict[str, dict[int, dict[str, float]]], timing: dict[int, float
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--curve", action="append", default=[], metavar="NAME=RUN[,RUN...]", required=True)
+    parser.add_argument("--curve", action="append", default=[], metavar="NAME=RUN[,RUN...]")
+    parser.add_argument("--points", action="append", default=[], metavar="NAME=K:EM[,K:EM...]")
     parser.add_argument("--timing", type=Path, default=None, help="an export to time decoding against k")
     parser.add_argument("--ks", default="1,2,4,8,16", help="the k of the timing panel")
     parser.add_argument("--out", type=Path, default=Path("docs/accuracy_vs_k.png"))
     args = parser.parse_args(argv)
-    curves = {}
-    for item in args.curve:
-        name, sep, folders = item.partition("=")
-        if not sep or not folders:
-            parser.error(f"--curve {item!r}: expected NAME=RUN[,RUN...]")
-        curves[name] = curve([Path(f) for f in folders.split(",")])
+    folders: dict[str, list[Path]] = defaultdict(list)
+    extra: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for flag, items in (("--curve", args.curve), ("--points", args.points)):
+        for item in items:
+            name, sep, values = item.partition("=")
+            try:
+                if not sep or not values:
+                    raise ValueError
+                for value in values.split(","):
+                    if flag == "--curve":
+                        folders[name].append(Path(value))
+                    else:
+                        k, em = value.split(":")
+                        extra[name].append((int(k), float(em)))
+            except ValueError:
+                parser.error(f"{flag} {item!r}: expected " + ("NAME=RUN[,RUN...]" if flag == "--curve"
+                                                               else "NAME=K:EM[,K:EM...]"))
+    if not folders and not extra:
+        parser.error("give at least one --curve or --points")
+    curves = {name: curve(folders[name], extra[name]) for name in dict.fromkeys([*folders, *extra])}
     timing = decode_ms_per_token(args.timing, [int(k) for k in args.ks.split(",")]) if args.timing else None
     for name, c in curves.items():
         print(f"[k_curve] {name}: " + ", ".join(f"k={k} {v['mean']:.4f} (n={v['n']}, min {v['min']:.4f})"
