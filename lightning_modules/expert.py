@@ -9,23 +9,28 @@ fine-tuning each expert is its own copy and the background a frozen copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from peft.utils import AuxiliaryTrainingWrapper
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from compose import ComposedLM
 from compose.common import eval_mode, model_position_ids
+from compose.composed_lm import _hidden_and_head, _inject_adapter_names
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
 from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
+from losses.chunked import Head, RowSum, chunked_row_sums
 from losses.features import FeatureMap, feature_divergence, feature_masks, owned_matrix
 
 
@@ -60,6 +65,10 @@ class ExpertLM(pl.LightningModule):
         position_jump: 0, or the largest random jump of each training row's position ids, for the expert and its
             background alike (`lightning_modules.background.training_position_ids`); not with
             `background_top_k` (the cache holds one set of positions per row).
+        loss_chunk_size: None (default): the training losses take the full `[B, T, V]` logits. An integer `c`: they
+            are computed `c` positions at a time from the models' final hidden states, each block's logits
+            recomputed in backward (`losses.chunked`): the same losses, with ~`B·c·V` logits held instead of
+            `B·T·V`; not with `background_top_k` or `regularizer="features"`.
     """
 
     def __init__(
@@ -89,10 +98,12 @@ class ExpertLM(pl.LightningModule):
         owned_features: Mapping[str, Sequence[str]] | None = None,
         background_top_k: int | None = None,
         position_jump: int = 0,
+        loss_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
+        _check_loss_chunk_size(loss_chunk_size, background_top_k, regularizer)
         if position_jump and background_top_k is not None:
             raise ValueError("position_jump cannot be used with background_top_k (the background cache)")
         self.background_cache: BackgroundCache | None = None
@@ -179,15 +190,53 @@ class ExpertLM(pl.LightningModule):
             with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
                 return self.background(input_ids=input_ids, attention_mask=attention_mask,
                                        position_ids=position_ids).logits
+        with self._adapters_disabled():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+    @contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        """Under LoRA, the background: every adapter disabled, eval mode."""
         peft = self.peft_model
         with peft.disable_adapter(), eval_mode(self.model):
             # A wrapper that re-enabled adapters would silently regularize toward the expert.
             if any(not m.disable_adapters for m in self.model.modules() if isinstance(m, LoraLayer)):
                 raise RuntimeError("disable_adapter() left LoRA layers active: unwrap the model first")
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            yield
         # Leaving disable_adapter() re-activates only peft's "active" adapter and freezes the others.
         peft.set_requires_grad(self.names, True)
-        return logits
+
+    # --- the same forwards, stopped short of the output heads (loss_chunk_size) ---------------
+    def _expert_heads(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
+                      position_ids: Tensor | None) -> list[tuple[Tensor, Head, Tensor]]:
+        """`(rows, output head, its input [rows, T, d])` of each row's own expert, as `expert_logits` runs them: one
+        mixed-adapter forward under LoRA, one per expert with rows otherwise."""
+        if self.hparams.mode == "lora":
+            adapter_names = [self.names[i] for i in expert_index.tolist()]
+            # peft's `adapter_names=` holds only for one forward; the hooks stay for the head's own check too
+            with eval_mode(self.model), _adapter_names(self.model, adapter_names):
+                head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
+            rows = torch.arange(len(adapter_names), device=input_ids.device)
+            return [(rows, _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), adapter_names), hidden)]
+        out = []
+        for i, name in enumerate(self.names):
+            rows = (expert_index == i).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                positions = None if position_ids is None else position_ids[rows]
+                out.append((rows, *_split_head(self.experts[name], input_ids[rows], attention_mask[rows], positions)))
+        return out
+
+    @torch.no_grad()
+    def _background_head(self, input_ids: Tensor, attention_mask: Tensor,
+                         position_ids: Tensor | None) -> tuple[Head, Tensor]:
+        """`(output head, its input [B, T, d])` of the background, as `background_logits` runs it."""
+        if self.hparams.mode != "lora":
+            with eval_mode(self.background):
+                return _split_head(self.background, input_ids, attention_mask, position_ids)
+        with self._adapters_disabled():
+            head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
+        # a LoRA-wrapped head, called later on its own, is the background's under peft's "__base__" name
+        base = ["__base__"] * input_ids.shape[0]
+        return _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), base), hidden
 
     @property
     def _background_model(self) -> nn.Module:
@@ -214,31 +263,71 @@ class ExpertLM(pl.LightningModule):
     # --- training -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         h = self.hparams
-        ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
-        own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
-        expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
         log_now = self.global_step % h.log_every_n_steps == 0
-        bg = None
         # the same (jumped) positions for the expert and its background
         positions = training_position_ids(self._background_model, batch, h.position_jump)
-        if h.reg_weight > 0 or log_now:
-            bg = (self.background_logits(ids, attn, positions) if self.background_cache is None
-                  else self.cached_background(batch))
-        logits = self.expert_logits(ids, attn, expert_index, positions)
-        nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
+        losses = self._plain_losses if h.loss_chunk_size is None else self._chunked_losses
+        nll, reg = losses(batch, positions, log_now)
         loss = nll
-        if h.reg_weight > 0:
-            reg = self.regularizer_loss(logits, bg, targets, own_mask, expert_index)
+        if reg is not None:
             loss = loss + h.reg_weight * reg
             self.log("train/reg", reg)
         self.log("train/loss", loss, prog_bar=True)
-        if log_now:
-            self._log_per_expert(logits.detach(), bg, targets, own_mask, expert_index, is_task)
         if self._trainer is not None and self.trainer.world_size > 1:
             # DDP reduces the gradient of every trainable parameter each step, but a rank's batch may hold no row
             # of an expert (its adapter then takes no part in the loss): a zero term keeps each one in the graph.
             loss = loss + 0.0 * sum(p.sum() for p in self.parameters() if p.requires_grad)
         return loss
+
+    def _plain_losses(self, batch: dict[str, Tensor], positions: Tensor | None,
+                      log_now: bool) -> tuple[Tensor, Tensor | None]:
+        """The task NLL and the regularizer (None when λ = 0), from the `[B, T, V]` logits of expert and background."""
+        h = self.hparams
+        ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
+        own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
+        expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
+        bg = None
+        if h.reg_weight > 0 or log_now:
+            bg = (self.background_logits(ids, attn, positions) if self.background_cache is None
+                  else self.cached_background(batch))
+        logits = self.expert_logits(ids, attn, expert_index, positions)
+        nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
+        reg = self.regularizer_loss(logits, bg, targets, own_mask, expert_index) if h.reg_weight > 0 else None
+        if log_now:
+            self._log_per_expert(logits.detach(), bg, targets, own_mask, expert_index, is_task)
+        return nll, reg
+
+    def _chunked_losses(self, batch: dict[str, Tensor], positions: Tensor | None,
+                        log_now: bool) -> tuple[Tensor, Tensor | None]:
+        """`_plain_losses` `loss_chunk_size` positions at a time (`losses.chunked`): the same sums over the same
+        positions, normalised alike (by the count of scored / off-mask target positions), never `[B, T, V]`."""
+        h = self.hparams
+        targets, own_mask, is_task = batch["targets"], batch["masks"][:, 0], batch["is_task"].bool()
+        scored, off = task_targets(batch, h.task_loss_on_mask_only), region_positions(targets, own_mask, "off")
+        terms = [RowSum(scored != IGNORE_INDEX, scored)]
+        if h.reg_weight > 0:
+            terms.append(RowSum(off, divergence=h.divergence, beta=h.jsd_beta, temperature=h.temperature))
+        if log_now:  # `_log_per_expert`'s metrics: the NLL of task rows, the forward KL (T = 1) off the mask
+            terms += [RowSum((targets != IGNORE_INDEX) & is_task.unsqueeze(1), targets, grad=False),
+                      RowSum(off, divergence="forward_kl", grad=False)]
+        sums = self._loss_row_sums(batch, positions, terms, background=h.reg_weight > 0 or log_now)
+        counts = torch.stack([t.positions.sum(1) for t in terms])
+        if log_now:
+            self._log_per_expert_sums(sums[-2:].detach(), counts[-2:], batch["expert_index"], is_task)
+        reg = _mean(sums[1], counts[1]) if h.reg_weight > 0 else None
+        return _mean(sums[0], counts[0]), reg
+
+    def _loss_row_sums(self, batch: dict[str, Tensor], positions: Tensor | None, terms: list[RowSum],
+                       background: bool) -> Tensor:
+        """`[len(terms), B]`: each term summed per row (`losses.chunked.chunked_row_sums`), the bodies run once."""
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        bg_head, bg_hidden = self._background_head(ids, attn, positions) if background else (None, None)
+        sums = None
+        for rows, head, hidden in self._expert_heads(ids, attn, batch["expert_index"], positions):
+            part = chunked_row_sums(head, hidden, bg_head, None if bg_hidden is None else bg_hidden[rows],
+                                    [t.part(rows=rows) for t in terms], self.hparams.loss_chunk_size)
+            sums = (part.new_zeros(len(terms), ids.shape[0]) if sums is None else sums).index_copy(1, rows, part)
+        return sums
 
     @torch.no_grad()
     def cached_background(self, batch: dict[str, Tensor]) -> BackgroundTopK:
@@ -285,6 +374,16 @@ class ExpertLM(pl.LightningModule):
                 kl = off_mask_divergence(logits[rows], bg_rows, targets[rows], own_mask[rows], kind="forward_kl")
                 self.log(f"train/{name}/off_mask_kl", kl)
 
+    @torch.no_grad()
+    def _log_per_expert_sums(self, sums: Tensor, counts: Tensor, expert_index: Tensor, is_task: Tensor) -> None:
+        """`_log_per_expert` from per-row sums and counts (`[2, B]`: task rows' NLL, off-mask forward KL)."""
+        for i, name in enumerate(self.names):
+            rows = expert_index == i
+            if (rows & is_task).any():
+                self.log(f"train/{name}/nll", _mean(sums[0][rows & is_task], counts[0][rows & is_task]))
+            if rows.any():
+                self.log(f"train/{name}/off_mask_kl", _mean(sums[1][rows], counts[1][rows]))
+
     # --- validation: each expert on its own data (the composition is evaluated by a callback) ---
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
@@ -327,6 +426,62 @@ class ExpertLM(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         h = self.hparams
         return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
+
+
+def _mean(row_sums: Tensor, row_counts: Tensor) -> Tensor:
+    """A sum over rows divided by its count of positions (at least 1), as `task_nll` and `off_mask_divergence` do."""
+    return row_sums.sum() / row_counts.sum().clamp_min(1)
+
+
+def _check_loss_chunk_size(chunk: int | None, background_top_k: int | None, regularizer: str) -> None:
+    """Refuse a `loss_chunk_size` that is not a positive int, or one with what the block-wise losses do not do."""
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"loss_chunk_size must be a positive number of positions or None, got {chunk!r}")
+    if background_top_k is not None:  # the cache gathers off-mask positions of the whole batch at once
+        raise ValueError("loss_chunk_size cannot be used with background_top_k (the background cache): set one to None")
+    if regularizer == "features":  # `feature_divergence` has no block-wise form here (yet)
+        raise ValueError("loss_chunk_size cannot be used with regularizer='features': use regularizer='token' or "
+                         "loss_chunk_size=None")
+
+
+@contextmanager
+def _adapter_names(module: nn.Module, adapter_names: list[str]) -> Iterator[None]:
+    """peft's per-row `adapter_names` passed to every LoRA layer of `module` while the context lasts (what
+    `model(..., adapter_names=)` does for the length of one forward only)."""
+    hook = functools.partial(_inject_adapter_names, adapter_names=adapter_names)
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()
+               if isinstance(m, LoraLayer | AuxiliaryTrainingWrapper)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[str]) -> Head:
+    """`head`, with `adapter_names` passed to its output layer `module` when peft wrapped it (`lm_head` among the
+    LoRA targets): each block's call, and its recomputation in backward, come after the body's forward."""
+    if not any(isinstance(m, LoraLayer | AuxiliaryTrainingWrapper) for m in module.modules()):
+        return head
+
+    def call(hidden: Tensor) -> Tensor:
+        with _adapter_names(module, adapter_names):
+            return head(hidden)
+
+    return call
+
+
+def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                position_ids: Tensor | None) -> tuple[Head, Tensor]:
+    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.composed_lm._hidden_and_head`)."""
+    pair = _hidden_and_head(model, input_ids, attention_mask, position_ids)
+    if pair is None:
+        raise ValueError(f"loss_chunk_size: the output head of {type(model).__name__} cannot be run on its own "
+                         "(see compose.composed_lm._hidden_and_head; a model inside a wrapper such as FSDP's has no "
+                         "get_output_embeddings): set loss_chunk_size=None")
+    return pair
 
 
 def task_targets(batch: dict[str, Tensor], on_mask_only: bool = False) -> Tensor:

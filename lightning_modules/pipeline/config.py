@@ -156,6 +156,11 @@ class ExpertTrainingConfig:
     # null: the background runs on every batch; {top_k, variants}: a cache of its top-k log-probs (README,
     # "Benchmarks"). Needs divergence forward_kl, reverse_kl or jsd.
     background_cache: BackgroundCacheConfig | None = None
+    # null: the task NLL and the regularizer take the full [B, T, V] logits. An integer c: they are computed c
+    # positions at a time, each block's logits recomputed in backward (losses/chunked.py): the same losses with
+    # ~B·c·V logits held instead of B·T·V, for long rows and large vocabularies (benchmarks/regularizer_memory.py).
+    # Not with background_cache or regularizer=features.
+    loss_chunk_size: int | None = None
 
 
 @dataclass
@@ -377,6 +382,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "background.position_jump": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: plain positions)"),
     "expert.position_jump": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: plain positions)"),
     "expert.max_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "expert.loss_chunk_size": (lambda v: v is None or (_int(v) and v >= 1),
+                               "null (all positions at once) or an integer >= 1 (positions per block)"),
     "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),
     "expert.reg_weight": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
@@ -529,11 +536,29 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"expert.background_cache cannot run with trainer.strategy={cfg.trainer.strategy} "
                               "(sharded weights: the ranks' background forwards must stay in step); use ddp, or set "
                               "expert.background_cache=null")
+    _check_loss_chunk_size(cfg)
     targets = cfg.expert.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
         raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
                           "as all-linear, or null (automatic)")
+
+
+def _check_loss_chunk_size(cfg: DictConfig) -> None:
+    """`expert.loss_chunk_size` with what the block-wise losses do not do (`ExpertLM` refuses the same)."""
+    e = cfg.expert
+    if e.loss_chunk_size is None:
+        return
+    if e.background_cache is not None:
+        raise ConfigError("expert.loss_chunk_size cannot be used with expert.background_cache: set one of them to null")
+    if e.regularizer == "features":
+        raise ConfigError("expert.loss_chunk_size cannot be used with expert.regularizer=features: use "
+                          "expert.regularizer=token or expert.loss_chunk_size=null")
+    if "fsdp" in cfg.trainer.strategy or "deepspeed_stage_3" in cfg.trainer.strategy:
+        # each block runs the output layer on its own, outside the model's forward, where a sharding strategy
+        # does not gather its weights
+        raise ConfigError(f"expert.loss_chunk_size cannot run with trainer.strategy={cfg.trainer.strategy} (sharded "
+                          "weights); use ddp, or set expert.loss_chunk_size=null")
 
 
 def is_pretrained(cfg: DictConfig) -> bool:
