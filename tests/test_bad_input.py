@@ -85,7 +85,7 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     # keys that go together
     ("heads divide hidden", ["model.hidden_size=30", "model.num_heads=4"], {},
      ["model.hidden_size=30", "multiple of model.num_heads=4"]),
-    ("rows longer than positions", ["task.max_len=40"], {}, ["model.max_position_embeddings=64", ">= 83", "task.max_len"]),
+    ("rows longer than positions", ["task.max_len=40"], {}, ["model.max_position_embeddings=64", ">= 84", "task.max_len"]),
     ("head on tied gpt2", ["expert.mode=head", "model.arch=gpt2"], {}, ["expert.mode=head", "untied", "model.arch=gpt2"]),
     ("compose_with + ablations", ["composition.compose_with=[{export}]", "ablations=[plain]"], {},
      ["composition.compose_with", "ablations=[]"]),

@@ -74,7 +74,7 @@ def test_default_positions_build_the_model_as_before():
                                                         "from scratch"),
     ("model.arch=gpt2;model.position_encoding=rope;model.rope_theta=500.0", "model.rope_theta=500.0 applies to a "
                                                                            "Llama built from scratch"),
-    ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of rope, nope"),
+    ("model.position_encoding=alibi", "model.position_encoding='alibi' is not one of auto, rope, nope, coupled"),
     ("background.position_jump=-1", "background.position_jump=-1: must be an integer >= 0"),
     ("background.position_jump=100", "background.position_jump=100: position ids may reach 267 (the longest row, 67 "
                                      "tokens, and the jump), beyond model.max_position_embeddings=128"),

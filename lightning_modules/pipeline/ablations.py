@@ -25,9 +25,12 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "plain": ("λ = 0: plain fine-tuning on the expert's own data", ["expert.reg_weight=0", "expert.reg_data=own"]),
     "no_corruption": ("no prefix corruption for background and experts",
                       ["background.corruption_prob=0", "expert.corruption_prob=0"]),
-    "naive": ("the paper's setting: no regularizer, no prefix corruption",
+    "naive": ("the paper's setting: no regularizer, no prefix corruption, plain RoPE positions",
               ["expert.reg_weight=0", "expert.reg_data=own", "background.corruption_prob=0",
-               "expert.corruption_prob=0"]),
+               "expert.corruption_prob=0", "model.position_encoding=rope"]),
+    "co_trained": ("compositional rows: every other expert's rule applied to half of each expert's rows",
+                   ["expert.reg_data=composition"]),
+    "rope": ("plain RoPE positions instead of coupled ones (content-aligned copying)", ["model.position_encoding=rope"]),
     "own_prefixes": ("no composed prefixes: task and regularizer on the expert's own rows only",
                      ["expert.reg_data=own"]),
     "kl_t1": ("forward KL at temperature 1, λ = 1 (the tail of p_b barely counts)",
@@ -114,4 +117,4 @@ def _run_or_resume(sub: DictConfig, resuming: bool, run: RunFn) -> dict:
 def _background_key(cfg: DictConfig) -> str:
     b = cfg.background
     rho = "-".join(f"{r:g}" for r in dict.fromkeys(corruption_range(b.corruption_prob)))  # "0.2", or "0-0.8"
-    return f"rho{rho}_steps{b.max_steps}"
+    return f"rho{rho}_steps{b.max_steps}_{cfg.model.position_encoding}"

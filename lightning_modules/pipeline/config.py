@@ -57,8 +57,9 @@ class ModelConfig:
     # map (METHOD.md §2, feature space; a model built from scratch, LoRA experts): pipeline/feature_head.py
     head: str = "token"
     # Positions in a Llama built from scratch: rope (rotary, base `rope_theta`) | nope (none: causal attention
-    # alone tells order) | coupled (RoPE, with position ids counted from 0 again at the task's separator, so an
-    # output token sits at its input token's position: `compose.common.position_ids`). Stored in the model's
+    # alone tells order) | coupled (RoPE with output positions coupled to the input's: the step that predicts y_t
+    # one position before x_t, `compose.common.position_ids`) | auto (coupled where the task's outputs align with
+    # its inputs, rope otherwise: `_couples_positions`; config.yaml records the choice). Stored in the model's
     # config, so a reloaded or exported model keeps them.
     position_encoding: str = "rope"
     rope_theta: float = 10000.0
@@ -221,7 +222,7 @@ CHOICES = {
     "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
     "model.head": ("token", "factored"),
     "expert.regularizer": ("token", "features"),
-    "model.position_encoding": ("rope", "nope", "coupled"),
+    "model.position_encoding": ("auto", "rope", "nope", "coupled"),
 }
 
 
@@ -338,7 +339,19 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     validate(cfg)
     resolve_defaults(cfg)
     cfg.task = resolve_task_config(cfg, task_sources)
+    if cfg.model.position_encoding == "auto":
+        cfg.model.position_encoding = "coupled" if _couples_positions(cfg) else "rope"
     return cfg
+
+
+def _couples_positions(cfg: DictConfig) -> bool:
+    """What `model.position_encoding=auto` means: coupled positions for a Llama built from scratch on a task whose
+    outputs copy its inputs position by position (`outputs_align_with_inputs` of its settings: the letter task's
+    generative format), where they let experts trained apart compose and lengths generalize (README, "Experts that
+    never met", "Length generalization"); otherwise RoPE (a pretrained model keeps its own)."""
+    if is_pretrained(cfg) or cfg.model.arch != "llama":
+        return False
+    return bool(getattr(task_settings(cfg), "outputs_align_with_inputs", False))
 
 
 def _note_task_keys(task_sources: dict[str, str], loaded: DictConfig, source: str, current: str | None) -> None:
@@ -500,7 +513,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.composition.compose_with and cfg.expert.mode != "lora":
         raise ConfigError(f"composition.compose_with needs expert.mode=lora (its experts are LoRA adapters), "
                           f"got expert.mode={cfg.expert.mode}")
-    if cfg.model.position_encoding != "rope" or cfg.model.rope_theta != ModelConfig.rope_theta:
+    if cfg.model.position_encoding not in ("rope", "auto") or cfg.model.rope_theta != ModelConfig.rope_theta:
         key = "model.position_encoding" if cfg.model.position_encoding != "rope" else "model.rope_theta"
         # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
         if cfg.model.pretrained_path or cfg.model.arch != "llama":

@@ -97,7 +97,8 @@ def position_options(cfg: ModelConfig) -> dict[str, Any]:
     encoding, theta = getattr(cfg, "position_encoding", "rope"), float(getattr(cfg, "rope_theta", 10000.0))
     if encoding == "nope":
         return {"rope_parameters": {"rope_type": "linear", "factor": NOPE_FACTOR, "rope_theta": theta}}
-    if encoding not in ("rope", "coupled"):  # coupled: RoPE, its position ids restarted by `build_causal_lm`
+    if encoding not in ("rope", "coupled", "auto"):  # coupled: RoPE, its positions set by `build_causal_lm`; auto:
+        # resolved by `load_config` from the task (RoPE when a model is built without it)
         raise ConfigError(f"model.position_encoding={encoding!r} is not one of rope, nope, coupled")
     return {} if theta == 10000.0 else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 

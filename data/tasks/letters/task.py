@@ -92,6 +92,12 @@ class LettersConfig:
         check_split_sizes(self, self._row_length(max(lengths or [0])), ("n_per_length",))
 
     @property
+    def outputs_align_with_inputs(self) -> bool:
+        """Whether output `y_t` is computed from input `x_t` at every position (the generative format), so that
+        `model.position_encoding=auto` couples their positions (`lightning_modules.pipeline.config`)."""
+        return self.format == "generative"
+
+    @property
     def max_row_length(self) -> int:
         """Tokens in the longest row, training or evaluation: `<bos> x <sep> y <eos>` (generative) or `<bos> x`
         (aligned)."""
