@@ -7,7 +7,7 @@ k beside it (issue 10, point 2; README "Experts that never met").
 
 A curve's sources are run folders, comma-separated:
 - a `scripts/train_separately.py` output (`separate.json`): every composition it evaluated (the combined one and
-  its `--subsets`) at its k, and each expert alone at k = 1;
+  its `--subsets`; not the `--late` one) at its k, and each expert alone at k = 1;
 - a `train.py` run (`summary.json`): its composition at its k (k = 1: its expert alone).
 Points at the same k are averaged; the band spans their lowest and highest value. `--points NAME=K:EM,K:EM...`
 adds figures measured elsewhere (say, a README table) to the curve NAME.
@@ -36,8 +36,9 @@ def points(folder: Path) -> list[tuple[int, float]]:
     separate, summary = folder / "separate.json", folder / "summary.json"
     if separate.is_file():
         r = json.loads(separate.read_text())
-        return [(1, float(v)) for v in r["alone"].values()] + [(c["k"], float(c["exact_match"]))
-                                                                for c in r["compositions"]]
+        late = (r.get("late") or {}).get("name")  # the expert that joined later: not a point of the k-curve
+        return ([(1, float(v)) for n, v in r["alone"].items() if n != late]
+                + [(c["k"], float(c["exact_match"])) for c in r["compositions"] if late not in c["experts"]])
     if summary.is_file():
         s = json.loads(summary.read_text())
         if len(s["experts"]) == 1:
