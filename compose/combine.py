@@ -125,7 +125,7 @@ class Combination:
 
 
 def check_exports(paths: Sequence[str | os.PathLike], seed: int | None = None,
-                  allow_overlap: bool = False) -> Combination:
+                  allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None) -> Combination:
     """Check that the exports at `paths` compose, and rebuild their task with every expert.
 
     Args:
@@ -134,6 +134,9 @@ def check_exports(paths: Sequence[str | os.PathLike], seed: int | None = None,
             differ).
         allow_overlap: accept experts whose masks may overlap, where the task can (noted), as
             `composition.allow_overlap` does in `train.py`.
+        test_settings: task settings to change for the test split only (noted; the combined export records the
+            runs' own), e.g. `{"min_len": 9}` when nine letter experts must fit in every input of runs made with
+            `min_len: 8`.
 
     Raises:
         CombineError: one line naming the export(s): missing or corrupt, another background or tokenizer, an
@@ -149,9 +152,15 @@ def check_exports(paths: Sequence[str | os.PathLike], seed: int | None = None,
     seed, seed_note = _choose_seed(sources, seed)
     notes += seed_note
     experts = [Expert(e["name"], dict(e["spec"]), float(e["weight"])) for s in sources for e in s.manifest["experts"]]
+    unknown = sorted(set(test_settings or {}) - set(settings) - {"name"})
+    if unknown or "name" in (test_settings or {}):
+        raise CombineError(f"test settings {unknown or ['name']} are not settings of the {settings['name']} task "
+                           f"({', '.join(k for k in settings if k != 'name')})")
+    for key, value in (test_settings or {}).items():
+        notes.append(f"test split with task.{key}={value!r} (the runs': {settings[key]!r})")
     try:
-        task = task_class(settings["name"])(settings_from_node(settings), experts, trained=[], seed=seed,
-                                            tokenizer=tokenizer, allow_overlap=allow_overlap)
+        task = task_class(settings["name"])(settings_from_node({**settings, **(test_settings or {})}), experts,
+                                            trained=[], seed=seed, tokenizer=tokenizer, allow_overlap=allow_overlap)
     except TaskError as e:
         raise CombineError(f"{e}{_provenance(str(e), sources)}") from None
     return Combination(sources, task, settings, seed, notes + list(task.notes))
@@ -329,7 +338,7 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
                     composition: str = "soft", limit: int | None = None, batch_size: int = 250,
                     seed: int | None = None, background: str = "copy", overwrite: bool = False,
                     device: str | torch.device | None = None, active_threshold: float = 0.01,
-                    allow_overlap: bool = False) -> dict:
+                    allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None) -> dict:
     """Check the exports compose (`check_exports`), evaluate their composition on the task's compositional test
     split, and with `out` write the combined export (atomically, evaluated from its own files before it is moved
     into place; `metrics.json` inside). Without `out`, the composition is loaded from a scratch export that
@@ -351,7 +360,7 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
         raise CombineError(f"background={background!r} is not one of {', '.join(BACKGROUND_MODES)}")
     if out is not None and Path(out).exists() and not overwrite:
         raise CombineError(f"{out} exists; choose another folder for the combined export (or overwrite it)")
-    combination = check_exports(paths, seed, allow_overlap)
+    combination = check_exports(paths, seed, allow_overlap, test_settings)
     result: dict[str, Any] = {
         "exports": [str(s.root) for s in combination.sources], "experts": combination.names,
         "k": len(combination.names), "task": combination.settings["name"], "seed": combination.seed,
@@ -400,6 +409,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, help="also write the metrics JSON here")
     p.add_argument("--allow_overlap", action="store_true",
                    help="accept experts whose masks may overlap (noted), as composition.allow_overlap in train.py")
+    p.add_argument("--test_setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task setting changed for the test split only (YAML value; repeatable), e.g. min_len=9")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -413,9 +424,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        test_settings = {}
+        for item in args.test_setting:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise CombineError(f"--test_setting {item!r}: expected KEY=VALUE")
+            test_settings[key] = yaml.safe_load(value)
         result = combine_exports(args.exports, args.out, composition=args.composition, limit=args.limit,
                                  batch_size=args.batch_size, seed=args.seed, background=args.background,
-                                 overwrite=args.overwrite, device=device, allow_overlap=args.allow_overlap)
+                                 overwrite=args.overwrite, device=device, allow_overlap=args.allow_overlap,
+                                 test_settings=test_settings)
     except (CombineError, FileExistsError) as err:
         print(f"compose.combine: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2

@@ -94,10 +94,18 @@ def main(argv: list[str] | None = None) -> dict:
                      "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}, "compositions": []}
 
     def compose(names: list[str], paths: list[Path], out: Path | None = None) -> float:
-        kwargs = {"overwrite": True} if out is not None else {}
+        kwargs: dict = {"overwrite": True} if out is not None else {}
+        min_len = OmegaConf.select(cfg, "task.min_len")
+        if min_len is not None and len(names) > min_len and OmegaConf.select(cfg, "task.compositional_min_experts") \
+                is None:  # every expert's source in every test input: the shortest inputs must hold them all
+            kwargs["test_settings"] = {"min_len": len(names)}
+            print(f"[separately] k={len(names)}: test inputs of {len(names)}–{cfg.task.max_len} letters "
+                  f"(task.min_len={min_len} cannot hold {len(names)} sources)", flush=True)
         r = combine_exports(paths, out, limit=args.limit, **kwargs)
         em = r["metrics"]["exact_match"]
-        results["compositions"].append({"experts": names, "k": len(names), "exact_match": em, "n_test": r["n_test"]})
+        results["compositions"].append({"experts": names, "k": len(names), "exact_match": em, "n_test": r["n_test"],
+                                        **({"test_settings": kwargs["test_settings"]} if "test_settings" in kwargs
+                                           else {})})
         print(f"[separately] k={len(names)} {'+'.join(names)}: exact_match={em:.4f} (n={r['n_test']})", flush=True)
         return em
 

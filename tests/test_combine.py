@@ -123,6 +123,29 @@ def test_training_only_settings_may_differ(runs, tmp_path):
     assert any("task.n_train differs" in note for note in combination.notes)
 
 
+def test_test_settings_change_the_test_split_only_and_are_noted(runs, tmp_path, capsys):
+    """Nine letter experts cannot all fit in inputs of 8 letters: the test split may be drawn with other settings
+    (train_separately.py does this for a late expert), noted, while the combined export keeps the runs' own."""
+    from data.tasks import Expert, TaskError
+    from data.tasks.letters import LettersConfig, LettersTask
+
+    nine = [Expert(f"{a}_to_{b}", {"rules": {a: b}}) for a, b in zip("ACEGIKMOQ", "BDFHJLNPR", strict=True)]
+    with pytest.raises(TaskError, match=r"task.min_len=8: compositional inputs plant a source letter of 9 experts"):
+        LettersTask(LettersConfig(), nine)
+    out = tmp_path / "combined"
+    result = combine_exports([runs[0] / "export", runs[1] / "export"], out, limit=8, batch_size=8,
+                             test_settings={"min_len": 12})
+    assert "test split with task.min_len=12 (the runs': 8)" in result["notes"]
+    assert load_manifest(out)["extra"]["task_settings"]["min_len"] == 8
+    combination = check_exports([runs[0] / "export"], test_settings={"min_len": 12})
+    assert all(len(row["x"]) >= 12 for row in combination.task.compositional_dataset("test"))
+    with pytest.raises(CombineError, match=r"test settings \['min_length'\] are not settings of the letters task"):
+        check_exports([runs[0] / "export"], test_settings={"min_length": 12})
+    assert main([str(runs[0] / "export"), "--limit", "4", "--batch_size", "4", "--test_setting", "min_len=12",
+                 "--device", "cpu"]) == 0
+    assert "note: test split with task.min_len=12 (the runs': 8)" in capsys.readouterr().out
+
+
 def _other_background(manifest_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -136,6 +136,10 @@ class LettersTask(Task):
         if m is not None and m > len(rule_sets):
             raise TaskError(f"task.compositional_min_experts={m} exceeds the {len(rule_sets)} experts in play")
         planted = len(rule_sets) if m is None else m
+        if rule_sets and cfg.min_len < planted:
+            raise TaskError(f"task.min_len={cfg.min_len}: compositional inputs plant a source letter of {planted} "
+                            f"experts, so inputs must be at least {planted} letters long (raise task.min_len or set "
+                            f"task.compositional_min_experts)")
         if cfg.eval_lengths and rule_sets and cfg.eval_lengths[0] < planted:
             raise TaskError(f"task.eval_lengths={list(cfg.eval_lengths)}: compositional inputs plant a source letter "
                             f"of {planted} experts, so the shortest length must be >= {planted}")
