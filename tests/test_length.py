@@ -279,3 +279,15 @@ def test_composed_decoding_counts_coupled_positions_as_teacher_forcing_does():
     unrestarted, _ = lm.component_logprobs(out, full_attn)
     model.config.position_restart_token_id = plain
     assert (unrestarted - background).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("files, overrides, expected", [
+    ([], [], "coupled"),  # the letter task's generative format: outputs copy inputs position by position
+    ([], ["task.format=aligned"], "rope"),  # nothing generated
+    ([], ["model.arch=gpt2"], "rope"),
+    ([ROOT / "configs" / "experiment" / "intervals.yaml"], [], "rope"),  # outputs are not aligned with inputs
+    ([], ["model.position_encoding=nope"], "nope"),  # an explicit choice stays
+])
+def test_auto_positions_couple_only_where_outputs_align_with_inputs(files, overrides, expected):
+    cfg = load_config([str(f) for f in files], overrides, base=DEFAULT)
+    assert cfg.model.position_encoding == expected
