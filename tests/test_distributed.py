@@ -4,8 +4,11 @@ The slow tests run configs/trainer/ddp.yaml (with `accelerator=cpu`, `devices=2`
 the fast config, trained long enough that the experts move the composition, once on two ranks and once in a single
 process. Batch: `data.batch_size` is per rank (Lightning's convention), so the DDP run is given half of the single
 run's (16 x 2 ranks = 32); the rows of its step n on the two ranks are then exactly the single run's step-n rows
-(`data.sampler`), but each rank corrupts its own half with its own seed and averages its own loss, so the runs are
-close, not equal. Measured (seed 0): composed NLL 1.4% apart, each expert's off/on-mask KL at most 18%.
+(`data.sampler`). Prefix corruption is off in these runs: it is drawn per batch (`SeededCollate`), so each rank
+would corrupt its half otherwise than the single run corrupts the whole, and that noise alone moves the composed NLL
+by 16% and the off-mask KL by up to 46% between two single runs (measured, seed 0). Without it the runs differ only in
+the order of the gradient reductions. Measured (seed 0): composed NLL 1.2% apart, each expert's on-mask KL at most 2%,
+off-mask KL at most 9%.
 
 Checked: one run folder (timestamped, no output_dir) with the files of a single-process run and nothing else in the
 working folder; rank 1 ran and wrote nothing under it (a `sitecustomize` audit hook records its Python-level
@@ -33,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ROOT / "configs" / "debug" / "fast.yaml"
 DDP_CPU = [ROOT / "configs" / "trainer" / "ddp.yaml", "trainer.accelerator=cpu", "trainer.devices=2",
            "trainer.precision=32-true"]
-# Long enough that the experts change the composition (on-mask KL ~0.3 nats), short enough for CI; every
+# Long enough that the experts change the composition (on-mask KL 4-5 nats), short enough for CI; every
 # validation falls on a multiple of 30 steps, the last one on each stage's final model.
 SETUP = [FAST, "background.max_steps=180", "expert.max_steps=60", "trainer.val_check_interval=30", "ablations=[]",
-         "baselines=[]"]
+         "baselines=[]", "background.corruption_prob=0", "expert.corruption_prob=0"]
 # How close the DDP run's export composes to the single run's (relative): teacher-forced NLL of the composition,
-# and each expert's off/on-mask KL inside it. Untrained experts (KL 0) or a broken background (NLL far off) fail.
+# and each expert's off/on-mask KL inside it. Untrained experts (on-mask KL ~0) or a broken background fail.
 TOLERANCE = {"nll": 0.05, "kl": 0.25}
 
 # In a process started as rank > 0 (LOCAL_RANK set at start), record every Python-level write (open for writing,
@@ -200,8 +203,8 @@ def test_ddp_experts_compose_like_a_single_process_runs(runs):
     a, b = (task.composition_metrics(ComposedLM.from_manifest(run / "export"), test, 32) for run in (single, ddp))
     assert b["nll"] == pytest.approx(a["nll"], rel=TOLERANCE["nll"])
     for name in ("A_to_B", "C_to_D"):
+        assert a[f"{name}/on_mask_kl"] > 1.0  # the experts moved the composition (measured: 4.5-5.3 nats)
         for key in ("off_mask_kl", "on_mask_kl"):
-            assert a[f"{name}/{key}"] > 0.05  # the experts moved the composition
             assert b[f"{name}/{key}"] == pytest.approx(a[f"{name}/{key}"], rel=TOLERANCE["kl"]), (name, key)
 
 
