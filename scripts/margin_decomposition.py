@@ -69,6 +69,9 @@ def run_task(run: Path) -> tuple[ComposedLM, Task]:
 
 
 def main(run: Path) -> None:
+    from lightning_modules.pipeline.console import quiet
+
+    quiet()  # library deprecation notices of calls we cannot change
     model, task = export_task(run) if (run / "composition.yaml").is_file() else run_task(run)
     rows = task.compositional_dataset("test")
     batch = task.collator()(list(rows))
