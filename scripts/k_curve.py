@@ -8,7 +8,7 @@ k beside it (issue 10, point 2; README "Experts that never met").
 A curve's sources are run folders, comma-separated:
 - a `scripts/train_separately.py` output (`separate.json`): every composition it evaluated (the combined one and
   its `--subsets`; not the `--late` one) at its k, and each expert alone at k = 1;
-- a `train.py` run (`summary.json`): its composition at its k (k = 1: its expert alone).
+- a `train.py` run (`summary.json`): its composition at its k, and each expert alone at k = 1.
 Points at the same k are averaged; the band spans their lowest and highest value. `--points NAME=K:EM,K:EM...`
 adds figures measured elsewhere (say, a README table) to the curve NAME.
 
@@ -41,9 +41,9 @@ def points(folder: Path) -> list[tuple[int, float]]:
                 + [(c["k"], float(c["exact_match"])) for c in r["compositions"] if late not in c["experts"]])
     if summary.is_file():
         s = json.loads(summary.read_text())
-        if len(s["experts"]) == 1:
-            return [(1, float(next(iter(s["experts"].values()))["exact_match"]))]
-        return [(int(s["composition"]["k"]), float(s["composition"]["exact_match"]))]
+        alone = [(1, float(e["exact_match"])) for e in s["experts"].values()]
+        return alone if len(alone) == 1 else alone + [(int(s["composition"]["k"]),
+                                                       float(s["composition"]["exact_match"]))]
     raise SystemExit(f"k_curve: {folder} holds neither separate.json (train_separately.py) nor summary.json")
 
 

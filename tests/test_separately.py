@@ -72,3 +72,13 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
 def test_co_training_rows_are_refused():
     with pytest.raises(SystemExit, match="reg_data=composition applies every expert's rules"):
         _script().main([FAST, "--out", "unused", "expert.reg_data=composition"])
+
+
+def test_k_curve_reads_a_train_py_run_as_each_expert_alone_and_its_composition(tmp_path):
+    summary = {"experts": {"A_to_B": {"exact_match": 0.99}, "C_to_D": {"exact_match": 0.97}},
+               "composition": {"k": 2, "exact_match": 0.95}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert _script("k_curve").points(tmp_path) == [(1, 0.99), (1, 0.97), (2, 0.95)]
+    one = {"experts": {"A_to_B": {"exact_match": 0.9}}, "composition": {"k": 1, "exact_match": 0.9}}
+    (tmp_path / "summary.json").write_text(json.dumps(one))
+    assert _script("k_curve").points(tmp_path) == [(1, 0.9)]
