@@ -239,6 +239,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
     args = parser.parse_args()
+    from lightning_modules.pipeline.console import quiet
+
+    quiet()  # the table only: no loading bars or library deprecation notices between its rows
     torch.set_num_threads(args.threads)
     start, load = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER]
