@@ -6,7 +6,8 @@ process. Batch: `data.batch_size` is per rank (Lightning's convention), so the D
 run's (16 x 2 ranks = 32); the rows of its step n on the two ranks are then exactly the single run's step-n rows
 (`data.sampler`). Prefix corruption is off in these runs: it is drawn per batch (`SeededCollate`), so each rank
 would corrupt its half otherwise than the single run corrupts the whole, and that noise alone moves the composed NLL
-by 16% and the off-mask KL by up to 46% between two single runs (measured, seed 0). Without it the runs differ only in
+by 16% and the off-mask KL by up to 46% between two single runs (measured, seed 0, with only the corruption
+seeds salted). Without it the runs differ only in
 the order of the gradient reductions. Measured (seed 0): composed NLL 1.2% apart, each expert's on-mask KL at most 2%,
 off-mask KL at most 9%.
 
