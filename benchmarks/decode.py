@@ -33,6 +33,10 @@ Usage::
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
 --memory --out RESULTS_decode_cuda.md`` (bfloat16 by default there).
 
+``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
+(oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
+background on dense weights (see :func:`measure_packed`). Memory probes then decode packed.
+
 ``--threads`` is left to torch's default unless given. On a machine other processes are loading, 2
 intra-op threads wait on each other at every op barrier and times blow up by 10-400x; the script
 prints the load average so such runs can be recognised (use ``--threads 1`` there).
@@ -41,6 +45,7 @@ prints the load average so such runs can be recognised (use ``--threads 1`` ther
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -175,6 +180,54 @@ def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, d
     return {k: med(v) for k, v in per_token.items()}, {k: med(v) for k, v in prefill.items()}, agreement
 
 
+def measure_packed(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, device: str):
+    """As :func:`measure`, on oneDNN-packed linear weights (CPU, ``--packed``): per-token and prefill ms, and
+    each runner's greedy tokens checked against its dense ones.
+
+    Packing takes about a copy of the weights and tunes a model for one number of rows, so the runners go in
+    groups, each packed once, repetitions interleaved within a group: first the background and the separate
+    backends (B rows a forward), then per k the adapters and the bound ((k+1)·B rows: the bound runs on the
+    adapters' own base model, packed with it) beside the background on dense weights, so that each k's ratios
+    come from one stretch of time on this noisy machine. Returns the packed times, and the dense background's
+    per k (``"background dense k"``).
+    """
+    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    keys = packed_keys(runners)
+    groups = [{k: runners[k] for k in keys if k == "background" or k.startswith("separate")}]
+    for n in dict.fromkeys(k.split()[-1] for k in keys if k.startswith("adapters")):
+        adapters = runners[f"adapters {n}"]
+        groups.append({f"adapters {n}": adapters, f"bound {n}": (ComposedLM.from_peft(adapters[0].model, []), int(n) + 1),
+                       f"background dense {n}": runners["background"]})
+    per_token, prefill, agreement = {}, {}, []
+    for group in groups:
+        inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in group.items()}
+        packed = [key for key in group if not key.startswith("background dense")]
+        dense = {key: decode(group[key][0], inputs[key], new_tokens) for key in packed}
+        times: dict[str, list[tuple[float, float]]] = {key: [] for key in group}
+        with contextlib.ExitStack() as stack:
+            for key in packed:  # a model two runners share is packed by the first (for the same rows here)
+                stack.enter_context(group[key][0].packed_weights(batch_size=batch * group[key][1]))
+            for key in group:
+                run(group[key][0], inputs[key], 2, device)  # warm-up
+            for key in packed:
+                same = torch.equal(decode(group[key][0], inputs[key], new_tokens), dense[key])
+                agreement.append(f"{key} packed {'=' if same else '≠'} dense")
+            for _ in range(reps):
+                for key, (runner, _) in group.items():
+                    full = run(runner, inputs[key], new_tokens + 1, device)
+                    first = run(runner, inputs[key], 1, device)
+                    times[key].append(((full - first) / new_tokens * 1e3, first * 1e3))
+        for key in group:
+            per_token[key] = statistics.median(t for t, _ in times[key])
+            prefill[key] = statistics.median(p for _, p in times[key])
+    return per_token, prefill, agreement
+
+
+def packed_keys(runners: dict) -> list[str]:
+    """The runners timed packed: every ComposedLM (HF ``generate`` stays the dense check)."""
+    return [key for key in runners if key != "HF generate"]
+
+
 # ------------------------------------------------------------------------------------------- memory
 
 
@@ -186,11 +239,13 @@ def _rss_mb(field: str) -> float:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dtype: torch.dtype) -> dict:
+def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dtype: torch.dtype,
+                 packed: bool = False) -> dict:
     """Peak memory (MB) of decoding ``new_tokens`` with the background alone (k = 0) or + k LoRA experts.
 
     CPU: the process's resident-set high-water mark, reset (``/proc/self/clear_refs``) once the model is
     built; ``baseline`` is the resident set after imports, before the model. GPU: ``max_memory_allocated``.
+    ``packed``: decode inside ``ComposedLM.packed_weights`` (the packing's own peak counts).
     """
     baseline = _rss_mb("VmRSS") if device == "cpu" else 0.0
     model = load_background(name, device, dtype)
@@ -203,7 +258,8 @@ def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dt
             f.write("5")  # reset the peak RSS to the current RSS
     else:
         torch.cuda.reset_peak_memory_stats()
-    run(composed, ids, new_tokens, device)
+    with composed.packed_weights(batch_size=batch) if packed else contextlib.nullcontext():
+        run(composed, ids, new_tokens, device)
     peak = _rss_mb("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated() / 2**20
     return {"peak_mb": peak, "baseline_mb": baseline}
 
@@ -213,6 +269,8 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
            str(args.new_tokens), "--device", args.device, "--dtype", args.dtype, "--prompt-len", str(PROMPT)]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
+    if args.packed:
+        cmd.append("--packed")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -222,6 +280,28 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
 HEADER = ("| model | params | batch | k | background ms/tok | bg at (k+1)·B ms/tok | HF generate ms/tok | "
           "adapters ms/tok | separate ms/tok | adapters / background | adapters / bg at (k+1)·B | "
           "separate / adapters | prefill ms bg / bound / adapters | peak MB bg / adapters |")
+
+
+PACKED_HEADER = ("| model | params | batch | k | background ms/tok dense / packed | bg at (k+1)·B packed | "
+                 "adapters packed | separate (faster path) | adapters / background | adapters / bg at (k+1)·B | "
+                 "separate / adapters | prefill ms bound / adapters packed |")
+
+
+def packed_row(name, n_params, batch, k, dense, packed, pre) -> str:
+    """One ``--packed`` row: the adapters and the bound on packed weights against the background timed beside
+    them on dense weights (or packed, where that was faster), the separate backend on its faster path."""
+    bg_dense, bg_packed = packed[f"background dense {k}"], packed["background"]
+    background = min(bg_dense, bg_packed)
+    adapters, bound = packed[f"adapters {k}"], packed[f"bound {k}"]
+    seps = [t[f"separate {k}"] for t in (dense, packed) if f"separate {k}" in t]
+    sep = min(seps) if seps else None
+    cells = [
+        name, f"{n_params / 1e6:.2f} M", str(batch), str(k), f"{bg_dense:.2f} / {bg_packed:.2f}", f"{bound:.2f}",
+        f"{adapters:.2f}", "—" if sep is None else f"{sep:.2f}", f"{adapters / background:.2f}x",
+        f"{adapters / bound:.2f}x", "—" if sep is None else f"{sep / adapters:.2f}x",
+        f"{pre[f'bound {k}']:.0f} / {pre[f'adapters {k}']:.0f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def row(name, n_params, batch, k, t, pre, mem) -> str:
@@ -278,9 +358,15 @@ def main() -> None:
                         help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one process each)")
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory table (no timing)")
+    parser.add_argument("--packed", action="store_true",
+                        help="CPU: also time every ComposedLM on oneDNN-packed linear weights (ComposedLM."
+                             "packed_weights) and report the faster path per runner; memory probes run packed")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from lightning_modules.pipeline.console import quiet
+
+    quiet()  # the table only: no loading bars or library deprecation notices between its rows
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -289,7 +375,7 @@ def main() -> None:
     if args.probe_memory:
         name, batch, k = args.probe_memory
         with torch.no_grad():
-            print(json.dumps(probe_memory(name, int(batch), int(k), args.new_tokens, args.device, dtype)))
+            print(json.dumps(probe_memory(name, int(batch), int(k), args.new_tokens, args.device, dtype, args.packed)))
         return
 
     if args.memory_only:
@@ -298,13 +384,21 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
-    baselines, notes = [], []
+    baselines, notes, packed_lines = [], [], []
     for name in args.models:
         n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
             t, pre, agreement = measure(runners, vocab, batch, args.new_tokens, args.reps, args.device)
             notes.append(f"{name} B={batch}: " + ", ".join(agreement))
             print("check: " + notes[-1], flush=True)
+            if args.packed:
+                packed_t, packed_pre, agreement = measure_packed(runners, vocab, batch, args.new_tokens, args.reps,
+                                                                 args.device)
+                notes.append(f"{name} B={batch}: " + ", ".join(agreement))
+                print("check: " + notes[-1], flush=True)
+                for k in args.experts:
+                    packed_lines.append(packed_row(name, n_params, batch, k, t, packed_t, packed_pre))
+                    print(packed_lines[-1], flush=True)
             mem = None
             if args.memory:
                 mem = {k: memory_in_subprocess(args, name, batch, k) for k in [0, *args.experts]}
@@ -324,6 +418,10 @@ def main() -> None:
         + f"; total {time.perf_counter() - t0:.0f} s"
     )
     setup += "\n\nGreedy outputs token for token (" + str(args.new_tokens) + " tokens): " + "; ".join(notes)
+    if packed_lines:
+        setup += ("\n\nOn oneDNN-packed weights (`--packed`; the background timed on dense weights beside each k's "
+                  "packed runs, and packed on its own; ratios use the faster background):\n\n" + PACKED_HEADER
+                  + "\n|" + "---|" * PACKED_HEADER.count(" | ") + "---|\n" + "\n".join(packed_lines))
     print(setup)
     if args.out is not None:
         args.out.write_text(

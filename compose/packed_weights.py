@@ -1,0 +1,94 @@
+"""Linear layers on oneDNN-prepacked weights: composed decoding on CPU at close to one model's cost.
+
+The adapters backend runs the background and k experts as one forward of ``(k+1)·B`` rows. On a GPU that
+costs about what ``B`` rows cost (decoding reads the weights once, whatever the rows). On CPU, MKL's float32
+GEMM does not: for a few rows it repacks the weight matrix at every call, so its time grows almost linearly
+in the rows (SmolLM2-135M at one thread: 115 ms per token at 1 row, 204 ms at 3, 265 ms at 9). oneDNN with
+the weight reordered once for its kernels (what ``torch.compile``'s freezing pass does for CPU linears:
+``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) reads it once per call instead: 124 / 134 /
+183 ms (``benchmarks/decode.py --packed``).
+
+:func:`packed_linear_weights` swaps every ``nn.Linear`` of a model to such a packed weight for the duration of
+a ``with`` block, for inference only, and frees the dense weights meanwhile (a weight another module also
+uses, like a head tied to the input embeddings, is kept, so it is held twice). Leaving the block restores the
+dense weights exactly (the reorder is a permutation of the same values). The outputs differ from ``F.linear``'s
+by floating-point rounding only (another summation order).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+
+def packing_available(model: nn.Module) -> bool:
+    """Whether :func:`packed_linear_weights` would pack anything: oneDNN built in and a CPU float32 linear."""
+    return torch.backends.mkldnn.is_available() and any(_packable(m) for _, m in _linears(model))
+
+
+@contextmanager
+def packed_linear_weights(model: nn.Module, rows: int = 4) -> Iterator[int]:
+    """Run ``model``'s linear layers on oneDNN-prepacked weights inside the block (CPU inference).
+
+    Args:
+        model: any module; its ``nn.Linear`` layers on CPU in float32 are packed, except LoRA's
+            own rank-r matrices (modules named ``lora_*``: too small to gain). Nothing is packed on a GPU or
+            without oneDNN; the block then runs the model unchanged.
+        rows: the number of input rows the packing is tuned for (oneDNN's batch-size hint), e.g. the
+            ``(k+1)·B`` rows of a decoding step. Any number of rows runs correctly.
+
+    Yields:
+        The number of linear layers packed (0 when nothing could be).
+
+    Inside the block a packed layer's dense ``weight`` is an empty tensor unless another module shares it, and
+    the layer refuses to run with autograd on (packed weights have no backward). Leaving the block, also by an
+    exception, gives every layer its dense weight and its own ``forward`` back.
+    """
+    if not torch.backends.mkldnn.is_available():
+        yield 0
+        return
+    uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    packed: list[tuple[nn.Linear, Tensor, bool]] = []
+    try:
+        for name, module in _linears(model):
+            if not _packable(module):
+                continue
+            weight = module.weight.detach()
+            packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+            free = uses[id(module.weight)] == 1
+            packed.append((module, packed_weight, free))
+            vars(module)["forward"] = _packed_forward(name, packed_weight, module.bias)
+            if free:  # the packed copy replaces it: decoding holds the weights once
+                module.weight.data = weight.new_empty(0)
+        yield len(packed)
+    finally:
+        for module, packed_weight, free in reversed(packed):
+            vars(module).pop("forward", None)
+            if free:
+                module.weight.data = packed_weight.to_dense()
+
+
+def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and ".lora_" not in f".{name}":
+            yield name, module
+
+
+def _packable(module: nn.Linear) -> bool:
+    weight = module.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() > 0
+            and type(weight.data) is torch.Tensor and "forward" not in vars(module))
+
+
+def _packed_forward(name: str, packed_weight: Tensor, bias: Tensor | None):
+    def forward(x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(f"linear layer {name!r} runs on packed weights (inference only): "
+                               "call it under torch.no_grad() or outside packed_linear_weights")
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+    return forward
