@@ -30,13 +30,10 @@ general sentences with one upper row (low coverage), and the ``compositional`` r
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/lazy_decode.py [--intervals EXPORT] [--smollm2 EXPORT] [--prompts 8]
-        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--sets NAME ...] [--packed] [--out FILE [--append]]
+        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--sets NAME ...] [--out FILE [--append]]
 
 ``--sets`` keeps the prompt sets whose name contains one of the given words (to split a long run: each
 process stays short); ``--append`` adds the rows to ``--out`` instead of rewriting it.
-
-``--packed`` runs all four on oneDNN-packed linear weights (``ComposedLM.packed_weights``, CPU), where a
-forward of a few rows costs about one row's (the gated steps, the lazy catch-ups).
 
 ``--smollm2 none`` (or ``--intervals none``) skips that export.
 """
@@ -44,7 +41,6 @@ forward of a few rows costs about one row's (the gated steps, the lazy catch-ups
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -240,8 +236,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sets", nargs="*", default=None, help="only the prompt sets whose name contains one of these")
-    parser.add_argument("--packed", action="store_true",
-                        help="all four runs on oneDNN-packed linear weights (ComposedLM.packed_weights; CPU)")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
     args = parser.parse_args()
@@ -258,15 +252,12 @@ def main() -> None:
             continue
         composed = ComposedLM.from_manifest(path, composition="gated")
         background = ComposedLM.from_peft(composed.model, [], tokenizer=composed.tokenizer)
-        # one PeftModel serves both: packed once, for the gated (k+1)-row steps
-        with composed.packed_weights(batch_size=1) if args.packed else contextlib.nullcontext():
-            for name, prompts in make(composed.tokenizer, n).items():
-                if args.sets and not any(part in name for part in args.sets):
-                    continue
-                line = row(export + (" (packed)" if args.packed else ""), name,
-                           measure(composed, background, prompts, args.reps))
-                lines.append(line)
-                print(line, flush=True)
+        for name, prompts in make(composed.tokenizer, n).items():
+            if args.sets and not any(part in name for part in args.sets):
+                continue
+            line = row(export, name, measure(composed, background, prompts, args.reps))
+            lines.append(line)
+            print(line, flush=True)
     footer = (f"\n{torch.get_num_threads()} thread(s), {platform.machine()}, torch {torch.__version__}, "
               f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end, {time.perf_counter() - start:.0f} s")
     print(footer)

@@ -2,17 +2,23 @@
 
 The adapters backend runs the background and k experts as one forward of ``(k+1)·B`` rows. On a GPU that
 costs about what ``B`` rows cost (decoding reads the weights once, whatever the rows). On CPU, MKL's float32
-GEMM does not: for a few rows it repacks the weight matrix at every call, so its time grows almost linearly
-in the rows (SmolLM2-135M at one thread: 115 ms per token at 1 row, 204 ms at 3, 265 ms at 9). oneDNN with
-the weight reordered once for its kernels (what ``torch.compile``'s freezing pass does for CPU linears:
-``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) reads it once per call instead: 124 / 134 /
-183 ms (``benchmarks/decode.py --packed``).
+GEMM does not: for a few rows its time grows almost linearly in the rows. oneDNN with the weight reordered
+once for its kernels (what ``torch.compile``'s freezing pass does for CPU linears: ``mkldnn._reorder_linear_weight``
++ ``mkldnn._linear_pointwise``) is closer to one read of the weights per call. SmolLM2-135M at one thread
+(``benchmarks/decode.py --models smollm2 --packed``): 101 ms per token on 1 row (dense; packed is slower
+there), on 3 rows 173 ms dense and 146 ms packed, on 9 rows 262 and 189 ms.
 
 :func:`packed_linear_weights` swaps every ``nn.Linear`` of a model to such a packed weight for the duration of
-a ``with`` block, for inference only, and frees the dense weights meanwhile (a weight another module also
-uses, like a head tied to the input embeddings, is kept, so it is held twice). Leaving the block restores the
-dense weights exactly (the reorder is a permutation of the same values). The outputs differ from ``F.linear``'s
-by floating-point rounding only (another summation order).
+a ``with`` block, for inference only, and drops the dense weights meanwhile (a weight another module also
+uses, like a head tied to the input embeddings, is kept). Leaving the block restores the dense weights exactly
+(the reorder is a permutation of the same values). The outputs differ from ``F.linear``'s by floating-point
+rounding only (another summation order).
+
+Memory: dropping a dense weight frees it only where nothing else holds its storage. Weights that
+``from_pretrained`` memory-maps from a safetensors file stay mapped while the rest of the model (embeddings,
+norms) uses the same file, so there the packed copies come on top: SmolLM2-135M's decoding peak goes from 989 to
+1,916 MB of resident set (clean file pages the kernel may reclaim, but counted). Weights in anonymous memory
+(trained in the process, or converted on load) are held once.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ def packed_linear_weights(model: nn.Module, rows: int = 4) -> Iterator[int]:
     Yields:
         The number of linear layers packed (0 when nothing could be).
 
-    Inside the block a packed layer's dense ``weight`` is an empty tensor unless another module shares it, and
+    Inside the block a packed layer's dense ``weight`` is an empty tensor unless another module shares it (see
+    the module docstring for when that frees memory), and
     the layer refuses to run with autograd on (packed weights have no backward). Leaving the block, also by an
     exception, gives every layer its dense weight and its own ``forward`` back.
     """

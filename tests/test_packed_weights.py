@@ -97,3 +97,18 @@ def test_every_architecture_composes_the_same_packed(arch):
     dense = composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[])
     with composed.packed_weights(batch_size=3):
         assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), dense)
+
+
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_lazy_gated_decoding_on_packed_weights_gives_the_dense_tokens(backend):
+    """Lazy gated decoding (row blocks chosen per step, catch-up prefills) runs on the packed layers too."""
+    from test_lazy import KW, composed, prompts
+
+    composed_lm = composed(backend)
+    ids, mask = prompts(4)
+    dense = composed_lm.generate(ids, mask, lazy=True, **KW)
+    assert torch.equal(dense, composed_lm.generate(ids, mask, **KW))
+    with composed_lm.packed_weights(batch_size=4) as packed:
+        assert packed > 0
+        assert torch.equal(composed_lm.generate(ids, mask, lazy=True, **KW), dense)
+    assert not any("forward" in vars(m) for m in composed_lm.modules())
