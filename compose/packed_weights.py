@@ -1,10 +1,11 @@
-"""Linear layers on oneDNN-prepacked weights: composed decoding on CPU at close to one model's cost.
+"""Linear layers on oneDNN-prepacked weights: CPU decoding of (k+1)·B rows for less than (k+1) times B's cost.
 
 The adapters backend runs the background and k experts as one forward of ``(k+1)·B`` rows. On a GPU that
 costs about what ``B`` rows cost (decoding reads the weights once, whatever the rows). On CPU, MKL's float32
 GEMM does not: for a few rows its time grows almost linearly in the rows. oneDNN with the weight reordered
-once for its kernels (what ``torch.compile``'s freezing pass does for CPU linears: ``mkldnn._reorder_linear_weight``
-+ ``mkldnn._linear_pointwise``) is closer to one read of the weights per call. SmolLM2-135M at one thread
+once for its kernels (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the pair inductor's
+freezing pass packs CPU linears with when the batch size is dynamic) is closer to one read of the weights per
+call. SmolLM2-135M at one thread
 (``benchmarks/decode.py --models smollm2 --packed``): 101 ms per token on 1 row (dense; packed is slower
 there), on 3 rows 173 ms dense and 146 ms packed, on 9 rows 262 and 189 ms.
 
@@ -51,9 +52,9 @@ def packed_linear_weights(model: nn.Module, rows: int = 4) -> Iterator[int]:
         The number of linear layers packed (0 when nothing could be).
 
     Inside the block a packed layer's dense ``weight`` is an empty tensor unless another module shares it (see
-    the module docstring for when that frees memory), and
-    the layer refuses to run with autograd on (packed weights have no backward). Leaving the block, also by an
-    exception, gives every layer its dense weight and its own ``forward`` back.
+    the module docstring for when that frees memory), and the layer refuses to run with autograd on (packed
+    weights have no backward). Leaving the block, also by an exception, gives every layer its dense weight and
+    its own ``forward`` back.
     """
     if not torch.backends.mkldnn.is_available():
         yield 0
