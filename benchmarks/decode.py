@@ -192,7 +192,7 @@ def measure_packed(runners: dict, vocab: int, batch: int, new_tokens: int, reps:
     per k (``"background dense k"``).
     """
     ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
-    keys = packed_keys(runners)
+    keys = [key for key in runners if key != "HF generate"]  # every ComposedLM (HF generate stays the dense check)
     groups = [{k: runners[k] for k in keys if k == "background" or k.startswith("separate")}]
     for n in dict.fromkeys(k.split()[-1] for k in keys if k.startswith("adapters")):
         adapters = runners[f"adapters {n}"]
@@ -221,11 +221,6 @@ def measure_packed(runners: dict, vocab: int, batch: int, new_tokens: int, reps:
             per_token[key] = statistics.median(t for t, _ in times[key])
             prefill[key] = statistics.median(p for _, p in times[key])
     return per_token, prefill, agreement
-
-
-def packed_keys(runners: dict) -> list[str]:
-    """The runners timed packed: every ComposedLM (HF ``generate`` stays the dense check)."""
-    return [key for key in runners if key != "HF generate"]
 
 
 # ------------------------------------------------------------------------------------------- memory

@@ -32,11 +32,6 @@ import torch
 from torch import Tensor, nn
 
 
-def packing_available(model: nn.Module) -> bool:
-    """Whether :func:`packed_linear_weights` would pack anything: oneDNN built in and a CPU float32 linear."""
-    return torch.backends.mkldnn.is_available() and any(_packable(m) for _, m in _linears(model))
-
-
 @contextmanager
 def packed_linear_weights(model: nn.Module, rows: int = 4) -> Iterator[int]:
     """Run ``model``'s linear layers on oneDNN-prepacked weights inside the block (CPU inference).
