@@ -799,12 +799,12 @@ def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
 
 
 class _StackedLoRA:
-    """The k experts' LoRA weights of one layer, stacked for batched matmuls over the ``k+1`` row blocks.
+    """The k experts' LoRA weights of one layer, stacked for batched matmuls over the experts' row blocks.
 
-    ``lora_a [k+1, r, d_in]`` and ``lora_b [k+1, d_out, r]`` hold expert ``i``'s ``A_i``/``B_i`` in block ``i``
-    (peft's own layouts); block 0, the background's, is zeros, as are ranks below the largest and experts that
-    do not adapt this layer (exact no-ops). ``scale`` is every expert's LoRA scaling when they agree (a float),
-    else ``[k+1, 1, 1]``.
+    ``lora_a [k, r, d_in]`` and ``lora_b [k, d_out, r]`` hold expert ``i``'s ``A_i``/``B_i`` in block ``i - 1``
+    (peft's own layouts); ranks below the largest and experts that do not adapt this layer are zeros (exact
+    no-ops). The background has no block: its rows get the base layer alone. ``scale`` is every expert's LoRA
+    scaling when they agree (a float), else ``[k, 1, 1]``.
 
     While it lives, the experts' peft parameters are views into these stacks instead of copies of them (their
     own storage is released), so composing k experts holds their LoRA weights once; :meth:`release` gives them
@@ -816,16 +816,16 @@ class _StackedLoRA:
         present = [n for n in names if n in module.lora_A]
         ref_a, ref_b = module.lora_A[present[0]].weight, module.lora_B[present[0]].weight
         rank = max(module.lora_A[n].weight.shape[0] for n in present)
-        self.lora_a = ref_a.new_zeros(len(names) + 1, rank, ref_a.shape[1])
-        self.lora_b = ref_a.new_zeros(len(names) + 1, ref_b.shape[0], rank)
+        self.lora_a = ref_a.new_zeros(len(names), rank, ref_a.shape[1])
+        self.lora_b = ref_a.new_zeros(len(names), ref_b.shape[0], rank)
         scales = {float(module.scaling[n]) for n in present}
         common = next(iter(scales))
         self.scale: float | Tensor = common
         if len(scales) > 1:
-            per_block = [0.0] + [float(module.scaling[n]) if n in present else common for n in names]
+            per_block = [float(module.scaling[n]) if n in present else common for n in names]
             self.scale = torch.tensor(per_block, dtype=ref_a.dtype, device=ref_a.device).view(-1, 1, 1)
         self.shared: list[nn.Parameter] = []
-        for i, name in enumerate(names, start=1):
+        for i, name in enumerate(names):
             if name not in module.lora_A:
                 continue
             weight_a, weight_b = module.lora_A[name].weight, module.lora_B[name].weight
@@ -869,39 +869,63 @@ def _owns_storage(param: Tensor) -> bool:
             and data.untyped_storage().nbytes() == data.numel() * data.element_size())
 
 
-def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA) -> Callable[..., Tensor]:
-    """A LoRA layer's ``forward`` for the batch ``[background | expert 1 | … | expert k]`` of ``batch_size`` rows each.
+def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA,
+                          background: bool = True) -> Callable[..., Tensor]:
+    """A LoRA layer's ``forward`` for the row blocks ``[background | expert 1 | … | expert k]`` (``batch_size``
+    rows each; without the background block when ``background`` is False).
 
-    The base layer runs on all rows; then the input, viewed as ``[k+1, B·T, d_in]`` (the row blocks are
-    contiguous), gets ``s_i · x A_iᵀ B_iᵀ`` from two batched matmuls, the second accumulating into the output in
-    place (block 0's zero weights add exactly 0 to the background). Four tensor ops per layer whatever k is:
-    decoding is dominated by per-op overhead on small models. Plain ``nn.Linear`` base layers without hooks are
-    called as ``F.linear`` (one module call less per layer and step).
+    The base layer runs on all rows; then the experts' rows, viewed as ``[k, B·T, d_in]`` (the row blocks are
+    contiguous), get ``s_i · x A_iᵀ B_iᵀ`` from two batched matmuls, the second accumulating into the output in
+    place. Four tensor ops per layer whatever k is: decoding is dominated by per-op overhead on small models, and
+    the background's block is skipped rather than multiplied by zeros (its share of the LoRA weights' reads).
+    Plain ``nn.Linear`` base layers without hooks are called as ``F.linear``, and a base layer whose ``forward``
+    an instance attribute replaces (:mod:`compose.packed_weights`) through it: one module call less per layer
+    and step.
     """
     base = module.base_layer
-    plain = type(base) is nn.Linear and not (base._forward_hooks or base._forward_pre_hooks or "forward" in vars(base))
-    lora_a, lora_b = stacked.lora_a.transpose(1, 2), stacked.lora_b.transpose(1, 2)  # [n, d_in, r], [n, r, d_out]
-    n, cast, scale = lora_a.shape[0], lora_a.dtype, stacked.scale
+    hooked = bool(base._forward_hooks or base._forward_pre_hooks)
+    own_forward = None if hooked else vars(base).get("forward")
+    plain = type(base) is nn.Linear and not hooked and own_forward is None
+    lora_a, lora_b = stacked.lora_a.transpose(1, 2), stacked.lora_b.transpose(1, 2)  # [k, d_in, r], [k, r, d_out]
+    k, cast, scale = lora_a.shape[0], lora_a.dtype, stacked.scale
     alpha = scale if isinstance(scale, float) else 1.0
+    skip = int(background)
+    n = k + skip
     rows = n * batch_size
 
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        result = F.linear(x, base.weight, base.bias) if plain and not args and not kwargs else base(x, *args, **kwargs)
+        if args or kwargs:
+            result = base(x, *args, **kwargs)
+        elif plain:
+            result = F.linear(x, base.weight, base.bias)
+        else:
+            result = (own_forward or base)(x)
         if x.shape[0] != rows:
             raise ValueError(
-                f"grouped LoRA expects {rows} rows ((k+1)·B with k={n - 1}, B={batch_size}) as the first axis of a "
+                f"grouped LoRA expects {rows} rows ({n} blocks of B={batch_size}) as the first axis of a "
                 f"LoRA layer's input, got shape {tuple(x.shape)}"
             )
-        blocks = x.reshape(n, -1, x.shape[-1])
-        hidden = torch.bmm(blocks if blocks.dtype == cast else blocks.to(cast), lora_a)  # [k+1, B·T, r]
+        blocks = _expert_blocks(x, k, skip)
+        hidden = torch.bmm(blocks if blocks.dtype == cast else blocks.to(cast), lora_a)  # [k, B·T, r]
         if not isinstance(scale, float):
             hidden.mul_(scale)
-        if result.dtype == cast and result.is_contiguous():
-            result.view(n, -1, result.shape[-1]).baddbmm_(hidden, lora_b, alpha=alpha)
-            return result
-        return result + (torch.bmm(hidden, lora_b) * alpha).view(result.shape).to(result.dtype)
+        if result.dtype != cast or not result.is_contiguous():
+            out_dtype, result = result.dtype, result.to(cast, memory_format=torch.contiguous_format)
+            _expert_blocks(result, k, skip).baddbmm_(hidden, lora_b, alpha=alpha)
+            return result.to(out_dtype)
+        _expert_blocks(result, k, skip).baddbmm_(hidden, lora_b, alpha=alpha)  # a view: adds into result
+        return result
 
     return forward
+
+
+def _expert_blocks(t: Tensor, k: int, skip: int) -> Tensor:
+    """The last ``k`` of the equal row blocks of ``t [(skip+k)·B, ..., d]`` as a view ``[k, B·…, d]``: one op
+    (``as_strided`` on contiguous memory) where a reshape and a slice are two, which counts on small models."""
+    t = t if t.is_contiguous() else t.contiguous()
+    d = t.shape[-1]
+    per_block = t.numel() // ((skip + k) * d)
+    return t.as_strided((k, per_block, d), (per_block * d, d, 1), t.storage_offset() + skip * per_block * d)
 
 
 @contextmanager
@@ -1265,12 +1289,14 @@ def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
 
 def _blocks_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA | None,
                     blocks: tuple[int, ...]) -> Callable[..., Tensor]:
-    """A LoRA layer's ``forward`` for the row blocks ``blocks``: :func:`_stacked_lora_forward` over those blocks'
-    slices of ``stacked``, or the base layer alone where no selected expert adapts this layer."""
+    """A LoRA layer's ``forward`` for the row blocks ``blocks``: :func:`_stacked_lora_forward` over the selected
+    experts' slices of ``stacked``, or the base layer alone where no selected expert adapts this layer."""
     if stacked is None or blocks == (0,):
         return module.base_layer.__call__
-    # consecutive blocks are a view of the stacks, others a copy (kept for the whole generation)
-    index = slice(blocks[0], blocks[-1] + 1) if blocks == tuple(range(blocks[0], blocks[-1] + 1)) else list(blocks)
+    experts = [b - 1 for b in blocks if b > 0]  # stack blocks; the background (0) comes first when selected
+    # consecutive experts are a view of the stacks, others a copy (kept for the whole generation)
+    index = (slice(experts[0], experts[-1] + 1) if experts == list(range(experts[0], experts[-1] + 1))
+             else experts)
     scale = stacked.scale if isinstance(stacked.scale, float) else stacked.scale[index]
     return _stacked_lora_forward(module, batch_size, SimpleNamespace(
-        lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale))
+        lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale), background=blocks[0] == 0)

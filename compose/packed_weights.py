@@ -24,6 +24,7 @@ norms) uses the same file, so there the packed copies come on top: SmolLM2-135M'
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,9 +38,10 @@ def packed_linear_weights(model: nn.Module, rows: int = 4) -> Iterator[int]:
     """Run ``model``'s linear layers on oneDNN-prepacked weights inside the block (CPU inference).
 
     Args:
-        model: any module; its ``nn.Linear`` layers on CPU in float32 are packed, except LoRA's
-            own rank-r matrices (modules named ``lora_*``: too small to gain). Nothing is packed on a GPU or
-            without oneDNN; the block then runs the model unchanged.
+        model: any module; its ``nn.Linear`` layers on CPU in float32 (and bfloat16 where the CPU has oneDNN's
+            bf16 kernels: AVX-512 BF16 or AMX) are packed, except LoRA's own rank-r matrices (modules named
+            ``lora_*``: too small to gain). Nothing is packed on a GPU or without oneDNN; the block then runs the
+            model unchanged.
         rows: the number of input rows the packing is tuned for (oneDNN's batch-size hint), e.g. the
             ``(k+1)·B`` rows of a decoding step. Any number of rows runs correctly.
 
@@ -83,8 +85,16 @@ def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 
 def _packable(module: nn.Linear) -> bool:
     weight = module.weight
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() > 0
+    return (weight.device.type == "cpu" and weight.dtype in _packable_dtypes() and weight.numel() > 0
             and type(weight.data) is torch.Tensor and "forward" not in vars(module))
+
+
+@functools.cache
+def _packable_dtypes() -> frozenset[torch.dtype]:
+    """float32 always; bfloat16 where oneDNN has bf16 kernels for this CPU (AVX-512 BF16 or AMX)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return frozenset({torch.float32, torch.bfloat16})
+    return frozenset({torch.float32})
 
 
 def _packed_forward(name: str, packed_weight: Tensor, bias: Tensor | None):

@@ -286,6 +286,23 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
 
 
+def test_stacked_lora_path_on_a_bfloat16_base_with_float32_adapters(monkeypatch):
+    """A bf16 base with float32 LoRA weights (peft's default autocast) takes the stacked path's cast branch: the base
+    output is added to in float32 and cast back, as peft's own forward does, so both give the same scores."""
+    import compose.composed_lm as clm
+
+    model = mixed_lora_model(2)
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    composed = ComposedLM.from_peft(model, ["e0", "e1"], weights=[1.0, -0.5])
+    ids, attn = torch.randint(5, 24, (2, 7), generator=torch.Generator().manual_seed(3)), None
+    fast = composed.score(ids, attn)
+    monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+    torch.testing.assert_close(fast, composed.score(ids, attn), atol=2e-2, rtol=2e-2)
+
+
 def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storage():
     import compose.composed_lm as clm
 
@@ -293,16 +310,16 @@ def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storag
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
     weight_a, weight_b = q_proj.lora_A["e1"].weight, q_proj.lora_B["e1"].weight
     before = weight_a.detach().clone(), weight_b.detach().clone()
-    stacked = clm._StackedLoRA(q_proj, ["e0", "e1", "e2"])  # block 0 is the background's
-    assert stacked.lora_a.shape == (4, 4, 32) and stacked.lora_b.shape == (4, 32, 4)
+    stacked = clm._StackedLoRA(q_proj, ["e0", "e1", "e2"])  # one block per expert, none for the background
+    assert stacked.lora_a.shape == (3, 4, 32) and stacked.lora_b.shape == (3, 32, 4)
     assert stacked.scale == 2.0  # e0 and e1 both scale by alpha / r = 2: one float for baddbmm
-    torch.testing.assert_close(stacked.lora_a[2, :2], before[0], atol=0, rtol=0)
-    torch.testing.assert_close(stacked.lora_b[2, :, :2], before[1], atol=0, rtol=0)
-    assert not stacked.lora_a[2, 2:].any() and not stacked.lora_b[2, :, 2:].any()
-    assert not stacked.lora_a[[0, 3]].any() and not stacked.lora_b[[0, 3]].any()
+    torch.testing.assert_close(stacked.lora_a[1, :2], before[0], atol=0, rtol=0)
+    torch.testing.assert_close(stacked.lora_b[1, :, :2], before[1], atol=0, rtol=0)
+    assert not stacked.lora_a[1, 2:].any() and not stacked.lora_b[1, :, 2:].any()
+    assert not stacked.lora_a[2].any() and not stacked.lora_b[2].any()
     k_proj = model.get_base_model().model.layers[0].self_attn.k_proj  # e0 scales by 2, e2 by 1: per block
     mixed = clm._StackedLoRA(k_proj, ["e0", "e1", "e2"])
-    assert isinstance(mixed.scale, torch.Tensor) and mixed.scale.flatten()[[1, 3]].tolist() == [2.0, 1.0]
+    assert isinstance(mixed.scale, torch.Tensor) and mixed.scale.flatten()[[0, 2]].tolist() == [2.0, 1.0]
     mixed.release()
     # The peft parameters are views into the stacks (one copy of the weights), then get their own storage back.
     def storage(t):

@@ -111,3 +111,18 @@ def test_lazy_gated_decoding_on_packed_weights_gives_the_dense_tokens(backend):
         assert packed > 0
         assert torch.equal(composed_lm.generate(ids, mask, lazy=True, **KW), dense)
     assert not any("forward" in vars(m) for m in composed_lm.modules())
+
+
+def test_bfloat16_is_packed_exactly_where_the_cpu_has_bf16_kernels():
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids, _ = _batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+    with torch.no_grad(), packed_linear_weights(model, rows=3) as packed:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            assert packed == 0
+            return
+        assert packed == sum(1 for m in model.modules() if type(m) is nn.Linear)
+        torch.testing.assert_close(model(ids).logits.float(), expected, atol=3e-2, rtol=3e-2)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
