@@ -402,7 +402,9 @@ def main() -> None:
                 lines.append(row(name, n_params, batch, k, t, pre, mem))
                 print(lines[-1], flush=True)
         del runners
-    device = (torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU")
+    # the CPU's vector extensions decide how matmul time grows with the rows (AVX2 vs AVX512 differ widely)
+    device = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else f"CPU ({torch.backends.cpu.get_cpu_capability()})")
     setup = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs "
         f"(load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end), {platform.machine()}, "
