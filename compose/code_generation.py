@@ -31,6 +31,7 @@ With ``--composition gated`` an expert alone acts only inside its interval (the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -283,6 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chat_template", action="store_true", help="wrap prompts in the tokenizer's chat template")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--packed_weights", action="store_true",
+                   help="CPU: decode on oneDNN-packed linear weights (ComposedLM.packed_weights; same greedy "
+                        "tokens up to rounding, faster where a few rows cost about one; a copy of the weights)")
     p.add_argument("--evaluate", action="store_true", help="then run the samples (compose.code_eval) and print pass@1")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per program when evaluating")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
@@ -324,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = CodeGenSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                    stop_strings=STOP_STYLES[args.stop], chat_template=args.chat_template)
         composed = _load(args)
-        samples = generate_samples(composed, problems, task_ids, settings)
+        with composed.packed_weights(args.batch_size) if args.packed_weights else contextlib.nullcontext():
+            samples = generate_samples(composed, problems, task_ids, settings)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"compose.code_generation: error: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ text at the first stop string. With no experts the results therefore equal ``hf`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -74,6 +75,9 @@ class ComposedLMEval(TemplateLM):
         max_gen_toks: default number of generated tokens when a task gives none (256, as ``hf``).
         add_bos_token, prefix_token_id, truncation, logits_cache, chat_template_args: as in ``hf``.
         composed: a ready :class:`ComposedLM` (with a tokenizer) instead of ``manifest``.
+        packed_weights: on CPU, run each call's forwards on oneDNN-packed linear weights
+            (:meth:`ComposedLM.packed_weights`, tuned for ``batch_size``): the same tokens and scores up to rounding,
+            decoding faster where the CPU's kernels make a few rows cost about one; costs a copy of the weights.
         max_batch_size: accepted for ``simple_evaluate``'s sake; unused (no ``auto`` batch size).
     """
 
@@ -93,6 +97,7 @@ class ComposedLMEval(TemplateLM):
         logits_cache: bool = True,
         chat_template_args: dict[str, Any] | None = None,
         composed: ComposedLM | None = None,
+        packed_weights: bool | str = False,
         max_batch_size: int | None = None,
         **unknown: Any,
     ) -> None:
@@ -104,6 +109,7 @@ class ComposedLMEval(TemplateLM):
         self._batch_size = _positive_int(batch_size, "batch_size")
         self._max_length = None if max_length is None else _positive_int(max_length, "max_length")
         self._max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
+        self.packed_weights = _flag(packed_weights, "packed_weights")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if composed is None:
             check_export_tokenizer(manifest)
@@ -221,7 +227,6 @@ class ComposedLMEval(TemplateLM):
         self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None
     ) -> list[tuple[float, bool]]:
         """``(sum of the continuation's composed log-probs, is it the greedy continuation)`` per request."""
-        results = []
         collator = Collator(
             requests,
             sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])),
@@ -229,7 +234,15 @@ class ComposedLMEval(TemplateLM):
             group_fn=lambda req: req[-2] + req[-1][:-1],
         )
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        for chunk in collator.get_batched(n=override_bs or self.batch_size):
+        with self._weights():
+            results = self._loglikelihood_chunks(collator, override_bs or self.batch_size, pbar)
+        pbar.close()
+        return collator.get_original(results)
+
+    def _loglikelihood_chunks(self, collator: Collator, batch_size: int, pbar) -> list[tuple[float, bool]]:
+        """The answers of :meth:`_loglikelihood_tokens`, in the collator's order."""
+        results = []
+        for chunk in collator.get_batched(n=batch_size):
             inps, prompt_lens = [], []
             for _, context_enc, continuation_enc in chunk:
                 if not context_enc or not continuation_enc:
@@ -256,8 +269,7 @@ class ComposedLMEval(TemplateLM):
                     if req_str is not None:
                         self.cache_hook.add_partial("loglikelihood", req_str, answer)
                     pbar.update(1)
-        pbar.close()
-        return collator.get_original(results)
+        return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole string: lm-eval's disjoint rolling windows of ``max_length`` tokens."""
@@ -269,11 +281,12 @@ class ComposedLMEval(TemplateLM):
             )
             windows += [(index, (None, *lm_utils.make_disjoint_window(w))) for w in rolling]
         totals = [0.0] * len(requests)
-        for start in range(0, len(windows), self.batch_size):
-            batch = windows[start : start + self.batch_size]
-            scores = self._loglikelihood_tokens([w for _, w in batch], disable_tqdm=True, override_bs=len(batch))
-            for (index, _), (logprob, _) in zip(batch, scores, strict=True):
-                totals[index] += logprob
+        with self._weights():  # once for all windows (the calls below then find the layers packed)
+            for start in range(0, len(windows), self.batch_size):
+                batch = windows[start : start + self.batch_size]
+                scores = self._loglikelihood_tokens([w for _, w in batch], disable_tqdm=True, override_bs=len(batch))
+                for (index, _), (logprob, _) in zip(batch, scores, strict=True):
+                    totals[index] += logprob
         for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
@@ -291,15 +304,20 @@ class ComposedLMEval(TemplateLM):
         )
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        for chunk in collator.get_batched(n=self.batch_size):
-            contexts, all_gen_kwargs = zip(*chunk, strict=True)
-            gen_kwargs = all_gen_kwargs[0]
-            for context, text in zip(contexts, self._generate_batch(list(contexts), gen_kwargs, eos), strict=True):
-                results.append(text)
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-                pbar.update(1)
+        with self._weights():
+            for chunk in collator.get_batched(n=self.batch_size):
+                contexts, all_gen_kwargs = zip(*chunk, strict=True)
+                gen_kwargs = all_gen_kwargs[0]
+                for context, text in zip(contexts, self._generate_batch(list(contexts), gen_kwargs, eos), strict=True):
+                    results.append(text)
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                    pbar.update(1)
         pbar.close()
         return collator.get_original(results)
+
+    def _weights(self) -> contextlib.AbstractContextManager:
+        """The weights one call runs on: oneDNN-packed with ``packed_weights`` (a no-op where already packed)."""
+        return self.composed.packed_weights(self.batch_size) if self.packed_weights else contextlib.nullcontext()
 
     def _generate_batch(self, contexts: list[str], gen_kwargs: dict, eos: str) -> list[str]:
         if not isinstance(gen_kwargs, dict):
@@ -369,6 +387,16 @@ def _positive_int(value: int | str, key: str) -> int:
     if number <= 0:
         raise ValueError(f"{MODEL_NAME}: {key} must be a positive integer, got {value!r}")
     return number
+
+
+def _flag(value: bool | str, key: str) -> bool:
+    """A boolean model_arg: a bool, or ``true``/``false`` (any case) as lm-eval's argument strings give it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise ValueError(f"{MODEL_NAME}: {key} must be true or false, got {value!r}")
+    return text == "true"
 
 
 def _background_config(composed: ComposedLM):
@@ -464,6 +492,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("adapters", "separate"), default="adapters")
     p.add_argument("--device", default=None)
     p.add_argument("--max_length", type=int, default=None)
+    p.add_argument("--packed_weights", action="store_true",
+                   help="CPU: run on oneDNN-packed linear weights (model_arg packed_weights; ComposedLM.packed_weights)")
     p.add_argument("--num_fewshot", type=int, default=None)
     p.add_argument("--apply_chat_template", action="store_true")
     p.add_argument("--log_samples", action="store_true", help="keep per-sample outputs in --output")
@@ -488,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_args["device"] = args.device
         if args.max_length:
             model_args["max_length"] = args.max_length
+        if args.packed_weights:
+            model_args["packed_weights"] = True
         lm = ComposedLMEval(**model_args)
     except (ValueError, FileNotFoundError) as err:
         print(f"compose.lm_eval: error: {err}", file=sys.stderr)

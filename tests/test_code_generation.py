@@ -203,6 +203,10 @@ def test_cli_writes_samples_that_code_eval_reads(world, tmp_path, capsys):
     assert [s["task_id"] for s in samples] == ["Tiny/0", "Tiny/1"]
     first_two = ["Tiny/0", "Tiny/1"]
     assert samples == generate_samples(ComposedLM.from_manifest(world.experts), world.problems, first_two, NO_STOP)
+    packed_out = tmp_path / "packed.jsonl"  # on oneDNN-packed weights: the same greedy samples
+    assert main(argv(packed_out, "--packed_weights")) == 0
+    capsys.readouterr()
+    assert code_eval.read_samples(packed_out) == samples
     assert summary["n_samples"] == 2 and 0.0 <= summary["pass@1"] <= 1.0
     assert Path(summary["results"]).is_file()
     assert code_eval.main([str(out), "--problems", str(world.problems_file), "--workers", "1"]) == 0

@@ -403,6 +403,31 @@ def test_bad_model_args_and_tokenizer_mismatch(world, tmp_path):
     assert ComposedLMEval(manifest=tmp_path / "export2", device="cpu").composed.num_experts == 0
 
 
+def test_packed_weights_give_the_same_answers_and_are_released(world):
+    from torch import nn
+
+    plain = lm(world, batch_size=2)
+    packed = lm(world, batch_size=2, packed_weights="True")  # as lm-eval's model_args string gives it
+    assert packed.packed_weights and not plain.packed_weights
+    seen = []
+    score = packed.composed.score
+
+    def spy(*args, **kwargs):  # were the linear layers packed while scoring?
+        seen.append(any("forward" in vars(m) for m in packed.composed.modules() if type(m) is nn.Linear))
+        return score(*args, **kwargs)
+
+    packed.composed.score = spy
+    out = packed.loglikelihood(requests("loglikelihood", LL_ARGS), disable_tqdm=True)
+    ref = plain.loglikelihood(requests("loglikelihood", LL_ARGS), disable_tqdm=True)
+    assert seen and all(seen) == torch.backends.mkldnn.is_available()
+    assert max(abs(a[0] - b[0]) for a, b in zip(out, ref, strict=True)) < 1e-4
+    gen = requests("generate_until", GEN_ARGS[:3])
+    assert packed.generate_until(gen, disable_tqdm=True) == plain.generate_until(gen, disable_tqdm=True)
+    assert not any("forward" in vars(m) for m in packed.composed.modules() if type(m) is nn.Linear)
+    with pytest.raises(ValueError, match="packed_weights must be true or false, got 'maybe'"):
+        lm(world, packed_weights="maybe")
+
+
 # ---------------------------------------------------------------------------------------------- command line
 
 
