@@ -30,7 +30,7 @@ general sentences with one upper row (low coverage), and the ``compositional`` r
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/lazy_decode.py [--intervals EXPORT] [--smollm2 EXPORT] [--prompts 8]
-        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--sets NAME ...] [--out FILE [--append]]
+        [--smollm2-prompts 3] [--reps 3] [--threads 1] [--sets NAME ...] [--catch-up-alone] [--out FILE [--append]]
 
 ``--sets`` keeps the prompt sets whose name contains one of the given words (to split a long run: each
 process stays short); ``--append`` adds the rows to ``--out`` instead of rewriting it.
@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sets", nargs="*", default=None, help="only the prompt sets whose name contains one of these")
+    parser.add_argument("--catch-up-alone", action="store_true",
+                        help="every catch-up a prefill of its own (composed_lm.FUSED_CATCH_UP_TOKENS = 0), as before "
+                             "short catch-ups joined the step's forward")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
     args = parser.parse_args()
@@ -243,6 +246,8 @@ def main() -> None:
 
     quiet()  # the table only: no loading bars or library deprecation notices between its rows
     torch.set_num_threads(args.threads)
+    if args.catch_up_alone:
+        composed_lm.FUSED_CATCH_UP_TOKENS = 0
     start, load = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER]
     print(HEADER, flush=True)
@@ -259,6 +264,7 @@ def main() -> None:
             lines.append(line)
             print(line, flush=True)
     footer = (f"\n{torch.get_num_threads()} thread(s), {platform.machine()}, torch {torch.__version__}, "
+              f"catch-ups fused up to {composed_lm.FUSED_CATCH_UP_TOKENS} tokens, "
               f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end, {time.perf_counter() - start:.0f} s")
     print(footer)
     if args.out:

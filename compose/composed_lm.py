@@ -35,6 +35,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from compose.common import eval_mode, next_position_ids, position_restart_token
 from compose.common import position_ids as position_ids_of
@@ -1099,6 +1100,11 @@ class _PlainSteps:
         return self.lm._forward(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
 
 
+# Lazy decoding (adapters backend): an expert that missed at most this many tokens joins the next step's forward,
+# with the other members rolled back to its length, instead of a catch-up prefill of its own (`_LazySteps._regroup`).
+FUSED_CATCH_UP_TOKENS = 32
+
+
 class _LazySteps:
     """Decoding steps that run the background and only the ``active`` experts (lazy gated composition).
 
@@ -1162,24 +1168,43 @@ class _LazySteps:
 
     def _regroup(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
                  positions: Tensor) -> None:
-        """Split the merged cache, catch the joining experts up to the background, merge the new group's caches."""
+        """Split the merged cache, bring the new group's caches to one length, merge them.
+
+        Joining experts that missed at most :data:`FUSED_CATCH_UP_TOKENS` tokens are not caught up alone: every
+        member of the new group is rolled back to the shortest member's length (the caches ahead are cropped), so
+        the step's one forward runs them all over the missed tokens and the new one. The members ahead recompute
+        a few tokens, which costs less than a forward of its own where a step is mostly per-op overhead. Longer
+        catch-ups, and caches that cannot be cropped (sliding-window layers), run a prefill of their own first.
+        """
         if self.group:
             parts = _split_cache(self.group_cache, len(self.group))
             for c, part in zip(self.group, parts, strict=True):
                 self.parked[c] = part if c in components else _cloned_cache(part)
         length = self.held[0]
-        caches = []
-        for c in components:
-            cache = self.parked.pop(c, None)
-            cache = DynamicCache(config=self.config) if cache is None else cache
-            if self.held[c] < length:  # one prefill of the tokens it missed (never the background: held[0] = length)
-                missed = slice(self.held[c], length)
-                self.select((c,))
-                _last_logits(self.lm._base_model(), input_ids[:, missed], attention_mask[:, :length],
-                             positions[:, missed], cache)
-                self.held[c] = length
-            caches.append(cache)
-        self.group, self.group_cache = components, _merge_caches(caches)
+        caches = {c: self.parked.pop(c, None) for c in components}
+        caches = {c: DynamicCache(config=self.config) if cache is None else cache for c, cache in caches.items()}
+        start = min(self.held[c] for c in components)
+        if 0 < length - start <= FUSED_CATCH_UP_TOKENS and all(map(_croppable, caches.values())):
+            for c in components:
+                if start == 0:  # an expert that has not run yet (lazy=True): every member starts from the prompt
+                    caches[c] = DynamicCache(config=self.config)
+                else:
+                    caches[c].crop(start - self.held[c])  # minus the tokens to drop (a no-op at 0)
+                self.held[c] = start
+        else:
+            for c in components:
+                if self.held[c] < length:  # one prefill of the tokens it missed (never the background)
+                    missed = slice(self.held[c], length)
+                    self.select((c,))
+                    _last_logits(self.lm._base_model(), input_ids[:, missed], attention_mask[:, :length],
+                                 positions[:, missed], caches[c])
+                    self.held[c] = length
+        self.group, self.group_cache = components, _merge_caches([caches[c] for c in components])
+
+
+def _croppable(cache: DynamicCache) -> bool:
+    """Every layer keeps all its tokens (no sliding window), so dropping the last few and recomputing them is exact."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def _last_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,

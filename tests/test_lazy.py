@@ -85,6 +85,33 @@ def test_lazy_equals_gated_token_for_token(active_sets, backend, batch, do_sampl
         assert len(set(first_open)) > 1
 
 
+@pytest.mark.parametrize("lazy", [True, "decode"])
+def test_short_catch_ups_join_the_step_long_ones_run_alone(monkeypatch, lazy):
+    """Adapters backend: an expert that missed few tokens joins the step's forward, the other members rolled back
+    to its length; with the limit at 0 every catch-up is a prefill of its own. The same tokens either way."""
+    model = composed("adapters")
+    batch = 4  # rows whose intervals open and close at different steps: experts re-join after a few tokens
+    ids, mask = prompts(batch)
+    plain = model.generate(ids, mask, **KW)
+    inner = clm._last_logits
+    shapes: list[tuple[int, int]] = []  # (rows, tokens) of every lazy forward
+
+    def record(model_, input_ids, *args):
+        shapes.append(tuple(input_ids.shape))
+        return inner(model_, input_ids, *args)
+
+    monkeypatch.setattr(clm, "_last_logits", record)
+    fused = model.generate(ids, mask, lazy=lazy, **KW)
+    fused_shapes, shapes[:] = shapes[:], []
+    monkeypatch.setattr(clm, "FUSED_CATCH_UP_TOKENS", 0)
+    alone = model.generate(ids, mask, lazy=lazy, **KW)
+    assert torch.equal(fused, plain) and torch.equal(alone, plain)
+    steps = plain.shape[1] - ids.shape[1]
+    assert len(fused_shapes) == steps < len(shapes)  # no forward of its own for any catch-up (the prompt is short)
+    # a decoding step over several rows and several tokens: the joining expert's missed ones and the new one
+    assert any(rows > batch and tokens > 1 for rows, tokens in fused_shapes[1:])
+
+
 @pytest.mark.parametrize("backend", ["adapters", "separate"])
 def test_lazy_with_rows_finishing_at_different_steps(active_sets, backend):
     """Finished rows do not keep an expert running; their tokens are padding as without lazy."""
