@@ -702,15 +702,20 @@ def _gate_masks(gates: Sequence[Gate | None] | None, prefix: Tensor, device: tor
     if gates is None:
         return None
     rows = []
+    batch = prefix.shape[0]
     for i, gate in enumerate(gates):
         if gate is None:
-            rows.append(torch.ones(prefix.shape[0], dtype=torch.bool, device=device))
+            rows.append(torch.ones(batch, dtype=torch.bool, device=device))
             continue
-        value = torch.as_tensor(gate(prefix), device=device).to(torch.bool).reshape(-1)
-        if value.numel() == 1:
-            value = value.expand(prefix.shape[0])
-        if value.numel() != prefix.shape[0]:
-            raise ValueError(f"gate {i} returned {value.numel()} values for a batch of {prefix.shape[0]}")
+        value = gate(prefix)
+        # an IntervalGate's answer is already a bool [B] on the CPU: no conversions (a few µs each, every step)
+        if not (type(value) is Tensor and value.dtype == torch.bool and value.shape == (batch,)
+                and value.device == device):
+            value = torch.as_tensor(value, device=device).to(torch.bool).reshape(-1)
+            if value.numel() == 1:
+                value = value.expand(batch)
+            if value.numel() != batch:
+                raise ValueError(f"gate {i} returned {value.numel()} values for a batch of {batch}")
         rows.append(value)
     return torch.stack(rows)
 
@@ -1115,8 +1120,9 @@ class _LazySteps:
 
     *separate*: one forward per active component of its missed tokens. *adapters*: the background and the
     active experts run as one batch of row blocks over one merged cache (:func:`_lora_blocks`); when the active
-    set changes, the merged cache is split into per-component caches, the joining experts catch up alone, and
-    the new set's caches are merged again (copies only at interval boundaries).
+    set changes, the merged cache is split into per-component caches, the joining experts catch up (inside the
+    step's forward when they missed at most :data:`FUSED_CATCH_UP_TOKENS`, else by a prefill of their own first),
+    and the new set's caches are merged again (copies only at interval boundaries).
     """
 
     def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None,

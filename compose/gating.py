@@ -43,8 +43,11 @@ class IntervalGate:
             raise ValueError(
                 f"IntervalGate already read {self._seen} columns but got a prefix of {t}; use one gate per generation"
             )
-        for column in prefix_ids[:, self._seen : t].T.tolist():
-            self.detector.update(column)
+        if t == self._seen + 1:  # the usual step: one new column (one tensor op instead of a slice and a transpose)
+            self.detector.update(prefix_ids[:, -1].tolist())
+        else:
+            for column in prefix_ids[:, self._seen : t].T.tolist():
+                self.detector.update(column)
         self._seen = t
         return self.detector.is_open()
 
