@@ -526,9 +526,9 @@ class ComposedLM(nn.Module):
             lazy: with gates (gated composition), skip the forward of every expert whose gate is closed on all
                 unfinished rows; when it opens, a forward of the tokens it missed brings its KV cache up to
                 date (on the adapters backend inside the step's forward when they are at most
-                ``FUSED_CATCH_UP_TOKENS``). ``True``: the prompt too (an expert that never opens is never run); ``"decode"``: every
-                expert prefills the prompt with the background (as without lazy), only decoding steps are
-                skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
+                ``FUSED_CATCH_UP_TOKENS``). ``True``: the prompt too (an expert that never opens is never run);
+                ``"decode"``: every expert prefills the prompt with the background (as without lazy), only decoding
+                steps are skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
                 floating-point rounding of the logits); the adapters backend then runs the background and the
                 open experts as one batch of row blocks. Ignored without gates.
 
