@@ -259,6 +259,11 @@ def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dt
     return {"peak_mb": peak, "baseline_mb": baseline}
 
 
+def _targets() -> str:
+    targets = LORA["target_modules"]
+    return "all linear layers" if targets == "all-linear" else ", ".join(targets)
+
+
 def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
     cmd = [sys.executable, __file__, "--probe-memory", name, str(batch), str(k), "--new-tokens",
            str(args.new_tokens), "--device", args.device, "--dtype", args.dtype, "--prompt-len", str(PROMPT)]
@@ -266,6 +271,8 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.packed:
         cmd.append("--packed")
+    if args.lora_targets:
+        cmd += ["--lora-targets", *args.lora_targets]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -356,6 +363,9 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true",
                         help="CPU: also time every ComposedLM on oneDNN-packed linear weights (ComposedLM."
                              "packed_weights) and report the faster path per runner; memory probes run packed")
+    parser.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                        help="the experts' LoRA target modules (default: all linear layers), e.g. q_proj v_proj: "
+                             "fewer LoRA weights read per step")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -365,6 +375,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.lora_targets:
+        LORA["target_modules"] = args.lora_targets
     PROMPT = args.prompt_len
     dtype = getattr(torch, args.dtype)
     if args.probe_memory:
@@ -409,7 +421,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs "
         f"(load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end), {platform.machine()}, "
         f"{device}, {args.dtype}; greedy, prompt {PROMPT}, {args.new_tokens} new tokens, median of {args.reps}; "
-        f"LoRA r={LORA['r']} on all linear layers; background = ComposedLM with no experts (same loop)"
+        f"LoRA r={LORA['r']} on {_targets()}; background = ComposedLM with no experts (same loop)"
         + (f"; peak RSS includes the process's {min(baselines):.0f}-{max(baselines):.0f} MB after imports"
            if baselines and args.device == "cpu" else "")
         + f"; total {time.perf_counter() - t0:.0f} s"
