@@ -28,7 +28,8 @@ Usage::
 
     python benchmarks/decode.py [--models llama-1M llama-10M smollm2] [--batches 1 8] [--experts 2 4 8]
         [--new-tokens 64] [--reps 5] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--memory] [--out benchmarks/RESULTS_decode.md]
+        [--memory] [--packed] [--lora-targets q_proj v_proj] [--lora-rank 8] [--ops]
+        [--out benchmarks/RESULTS_decode.md]
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
 --memory --out RESULTS_decode_cuda.md`` (bfloat16 by default there).
@@ -36,6 +37,11 @@ On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10
 ``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
 (oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
 background on dense weights (see :func:`measure_packed`). Memory probes then decode packed.
+
+``--ops`` adds ATen ops per generated token (torch.profiler) of the background, the bound and the adapters: on
+a model so small that each op costs its dispatch rather than its arithmetic, their ratio is the floor of the
+time ratio. ``--lora-rank 1`` keeps every LoRA op and almost none of their arithmetic (compare with the default
+r = 8 to tell the two apart).
 
 ``--threads`` is left to torch's default unless given. On a machine other processes are loading, 2
 intra-op threads wait on each other at every op barrier and times blow up by 10-400x; the script
@@ -161,9 +167,44 @@ def checks(runners: dict, ids: torch.Tensor, n: int) -> list[str]:
     return results
 
 
+def prompt(vocab: int, batch: int, device: str) -> torch.Tensor:
+    """The benchmark's prompt: ``[batch, PROMPT]`` random ids, seeded by the batch size."""
+    return torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+
+
+def ops_per_token(runner, ids: torch.Tensor, n: int) -> float:
+    """ATen ops the profiler records per generated token (nested ones included), prefill excluded: the
+    machine-independent cost of a step on a model small enough that every op costs its dispatch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for m in (n + 1, 1):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode(runner, ids, m)
+        counts.append(sum(event.count for event in prof.key_averages()))
+    return (counts[0] - counts[1]) / n
+
+
+def ops_rows(name: str, runners: dict, vocab: int, batch: int, ks: list[int], n: int, device: str) -> list[str]:
+    """``--ops``: one row per k, ATen ops per token of the background, the bound and the adapters backend."""
+    ids = prompt(vocab, batch, device)
+    background = ops_per_token(runners["background"][0], ids, n)
+    rows = []
+    for k in ks:
+        bound = ops_per_token(runners[f"bound {k}"][0], ids.repeat(k + 1, 1), n)
+        adapters = ops_per_token(runners[f"adapters {k}"][0], ids, n)
+        rows.append(f"| {name} | {batch} | {k} | {background:.0f} | {bound:.0f} | {adapters:.0f} | "
+                    f"{adapters / bound:.2f}x |")
+    return rows
+
+
+OPS_HEADER = ("| model | batch | k | ATen ops/token background | bg at (k+1)·B | adapters | adapters / bg at (k+1)·B |\n"
+              "|---|---|---|---|---|---|---|")
+
+
 def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, device: str):
     """Median per-token ms and prefill ms of every runner, configurations interleaved within each repetition."""
-    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    ids = prompt(vocab, batch, device)
     inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in runners.items()}
     for key, (runner, _) in runners.items():  # warm-up
         run(runner, inputs[key], 2, device)
@@ -191,7 +232,7 @@ def measure_packed(runners: dict, vocab: int, batch: int, new_tokens: int, reps:
     come from one stretch of time on this noisy machine. Returns the packed times, and the dense background's
     per k (``"background dense k"``).
     """
-    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    ids = prompt(vocab, batch, device)
     keys = [key for key in runners if key != "HF generate"]  # every ComposedLM (HF generate stays the dense check)
     groups = [{k: runners[k] for k in keys if k == "background" or k.startswith("separate")}]
     for n in dict.fromkeys(k.split()[-1] for k in keys if k.startswith("adapters")):
@@ -247,7 +288,7 @@ def probe_memory(name: str, batch: int, k: int, new_tokens: int, device: str, dt
     composed = ComposedLM(model) if k == 0 else ComposedLM.from_peft(with_lora_experts(model, k),
                                                                      [f"e{i}" for i in range(1, k + 1)])
     vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+    ids = prompt(vocab, batch, device)
     if device == "cpu":
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak RSS to the current RSS
@@ -273,6 +314,7 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
         cmd.append("--packed")
     if args.lora_targets:
         cmd += ["--lora-targets", *args.lora_targets]
+    cmd += ["--lora-rank", str(LORA["r"])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -366,6 +408,12 @@ def main() -> None:
     parser.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
                         help="the experts' LoRA target modules (default: all linear layers), e.g. q_proj v_proj: "
                              "fewer LoRA weights read per step")
+    parser.add_argument("--lora-rank", type=int, default=LORA["r"],
+                        help="the experts' LoRA rank (default 8); r = 1 keeps every LoRA op and almost none of "
+                             "their arithmetic, which tells dispatch cost from compute")
+    parser.add_argument("--ops", action="store_true",
+                        help="also count the ATen ops per generated token (torch.profiler) of the background, the "
+                             "bound and the adapters: what a step costs where each op costs its dispatch")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -377,6 +425,7 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.lora_targets:
         LORA["target_modules"] = args.lora_targets
+    LORA["r"] = args.lora_rank
     PROMPT = args.prompt_len
     dtype = getattr(torch, args.dtype)
     if args.probe_memory:
@@ -391,7 +440,7 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
-    baselines, notes, packed_lines = [], [], []
+    baselines, notes, packed_lines, op_lines = [], [], [], []
     for name in args.models:
         n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
@@ -406,6 +455,8 @@ def main() -> None:
                 for k in args.experts:
                     packed_lines.append(packed_row(name, n_params, batch, k, t, packed_t, packed_pre))
                     print(packed_lines[-1], flush=True)
+            if args.ops:
+                op_lines += ops_rows(name, runners, vocab, batch, args.experts, args.new_tokens, args.device)
             mem = None
             if args.memory:
                 mem = {k: memory_in_subprocess(args, name, batch, k) for k in [0, *args.experts]}
@@ -431,6 +482,8 @@ def main() -> None:
         setup += ("\n\nOn oneDNN-packed weights (`--packed`; the background timed on dense weights beside each k's "
                   "packed runs, and packed on its own; ratios use the faster background):\n\n" + PACKED_HEADER
                   + "\n|" + "---|" * PACKED_HEADER.count(" | ") + "---|\n" + "\n".join(packed_lines))
+    if op_lines:
+        setup += "\n\nATen ops per generated token (`--ops`, torch.profiler):\n\n" + OPS_HEADER + "\n" + "\n".join(op_lines)
     print(setup)
     if args.out is not None:
         args.out.write_text(
