@@ -179,10 +179,27 @@ def ops_per_token(runner, ids: torch.Tensor, n: int) -> float:
 
     counts = []
     for m in (n + 1, 1):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            decode(runner, ids, m)
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with _c_stderr_silenced():  # kineto logs a line to the C stderr at each start and stop
+            prof.start()
+        decode(runner, ids, m)
+        with _c_stderr_silenced():
+            prof.stop()
         counts.append(sum(event.count for event in prof.key_averages()))
     return (counts[0] - counts[1]) / n
+
+
+@contextlib.contextmanager
+def _c_stderr_silenced():
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def ops_rows(name: str, runners: dict, vocab: int, batch: int, ks: list[int], n: int, device: str) -> list[str]:
