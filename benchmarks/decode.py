@@ -32,7 +32,7 @@ Usage::
         [--out benchmarks/RESULTS_decode.md]
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
---memory --out RESULTS_decode_cuda.md`` (bfloat16 by default there).
+--experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there).
 
 ``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
 (oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
