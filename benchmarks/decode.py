@@ -28,7 +28,7 @@ Usage::
 
     python benchmarks/decode.py [--models llama-1M llama-10M smollm2] [--batches 1 8] [--experts 2 4 8]
         [--new-tokens 64] [--reps 5] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--memory] [--packed] [--lora-targets q_proj v_proj] [--lora-rank 8] [--ops]
+        [--memory] [--packed] [--lora-targets q_proj v_proj] [--lora-rank 8] [--ops] [--compile [MODE]]
         [--out benchmarks/RESULTS_decode.md]
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
@@ -42,6 +42,11 @@ background on dense weights (see :func:`measure_packed`). Memory probes then dec
 a model so small that each op costs its dispatch rather than its arithmetic, their ratio is the floor of the
 time ratio. ``--lora-rank 1`` keeps every LoRA op and almost none of their arithmetic (compare with the default
 r = 8 to tell the two apart).
+
+``--compile [MODE]``: every ``ComposedLM`` runner decodes with ``generate(compile=MODE or True)`` (static KV
+caches, each decoding step through ``torch.compile``; ``reduce-overhead`` adds CUDA graphs on a GPU); HF
+``generate`` stays eager as the check. The warm-up compiles, so the times are the compiled steps'. Not with
+``--packed``.
 
 ``--threads`` is left to torch's default unless given. On a machine other processes are loading, 2
 intra-op threads wait on each other at every op barrier and times blow up by 10-400x; the script
@@ -77,6 +82,7 @@ TOY_MODELS = {
 SMOLLM2 = "smollm2"
 MODELS = [*TOY_MODELS, SMOLLM2]
 TOY_VOCAB, PROMPT = 256, 16
+COMPILE: bool | str = False  # --compile: ComposedLM.generate(compile=...)
 LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
 
 
@@ -139,7 +145,7 @@ def _sync(device: str) -> None:
 def decode(runner, ids: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` greedy tokens after ``ids``, EOS disabled."""
     if isinstance(runner, ComposedLM):
-        out = runner.generate(ids, max_new_tokens=n, eos_token_id=[])  # [] = no EOS stopping
+        out = runner.generate(ids, max_new_tokens=n, eos_token_id=[], compile=COMPILE)  # [] = no EOS stopping
     else:
         out = runner.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -223,8 +229,8 @@ def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, d
     """Median per-token ms and prefill ms of every runner, configurations interleaved within each repetition."""
     ids = prompt(vocab, batch, device)
     inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in runners.items()}
-    for key, (runner, _) in runners.items():  # warm-up
-        run(runner, inputs[key], 2, device)
+    for key, (runner, _) in runners.items():  # warm-up (compiling, with --compile, for the timed cache length)
+        run(runner, inputs[key], new_tokens + 1 if COMPILE else 2, device)
     agreement = checks(runners, ids, new_tokens)
     per_token: dict[str, list[float]] = {k: [] for k in runners}
     prefill: dict[str, list[float]] = {k: [] for k in runners}
@@ -329,6 +335,8 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.packed:
         cmd.append("--packed")
+    if args.compile:
+        cmd += ["--compile"] + ([] if args.compile is True else [args.compile])
     if args.lora_targets:
         cmd += ["--lora-targets", *args.lora_targets]
     cmd += ["--lora-rank", str(LORA["r"])]
@@ -404,7 +412,7 @@ def memory_table(args) -> None:
 
 
 def main() -> None:
-    global PROMPT
+    global PROMPT, COMPILE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(TOY_MODELS), choices=MODELS)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -431,6 +439,9 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true",
                         help="also count the ATen ops per generated token (torch.profiler) of the background, the "
                              "bound and the adapters: what a step costs where each op costs its dispatch")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, metavar="MODE",
+                        help="decode every ComposedLM with generate(compile=MODE or True): static KV caches and "
+                             "compiled steps (reduce-overhead: CUDA graphs on a GPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -444,6 +455,11 @@ def main() -> None:
         LORA["target_modules"] = args.lora_targets
     LORA["r"] = args.lora_rank
     PROMPT = args.prompt_len
+    if args.compile and args.packed:
+        parser.error("--compile and --packed do not combine (inductor cannot lower the packed linear layers)")
+    COMPILE = args.compile
+    if COMPILE:  # one graph per (model, rows, cache length): more than torch's default limit of 8 in one run
+        torch._dynamo.config.recompile_limit = 64
     dtype = getattr(torch, args.dtype)
     if args.probe_memory:
         name, batch, k = args.probe_memory
@@ -490,6 +506,7 @@ def main() -> None:
         f"(load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end), {platform.machine()}, "
         f"{device}, {args.dtype}; greedy, prompt {PROMPT}, {args.new_tokens} new tokens, median of {args.reps}; "
         f"LoRA r={LORA['r']} on {_targets()}; background = ComposedLM with no experts (same loop)"
+        + (f"; compiled decoding steps (ComposedLM.generate(compile={COMPILE!r}), HF generate eager)" if COMPILE else "")
         + (f"; peak RSS includes the process's {min(baselines):.0f}-{max(baselines):.0f} MB after imports"
            if baselines and args.device == "cpu" else "")
         + f"; total {time.perf_counter() - t0:.0f} s"

@@ -35,7 +35,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 from compose.common import eval_mode, next_position_ids, position_restart_token
 from compose.common import position_ids as position_ids_of
@@ -249,13 +249,17 @@ class ComposedLM(nn.Module):
         Packing costs about a copy of the weights, so wrap many calls in one block;
         weights memory-mapped from a safetensors file stay mapped meanwhile (the packed copies then add their size
         to the resident set). A no-op on GPUs and without oneDNN. Yields the number of linear layers packed.
+        Not with ``generate(compile=...)`` (inductor cannot lower the packed linears).
         """
         from compose.packed_weights import packed_linear_weights
 
         modules = [self.model] if self.backend == "adapters" else [self.background, *self.experts]
         rows = batch_size * (self.num_experts + 1 if self.backend == "adapters" else 1)
         with contextlib.ExitStack() as stack:
-            yield sum(stack.enter_context(packed_linear_weights(m, rows)) for m in modules)
+            packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in modules)
+            self.__dict__["_packed"] = packed > 0
+            stack.callback(self.__dict__.pop, "_packed", None)
+            yield packed
 
     # ------------------------------------------------------------------ forward passes
 
@@ -264,17 +268,21 @@ class ComposedLM(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None,
         position_ids: Tensor | None,
-        caches: list[DynamicCache] | None,
+        caches: Sequence[Cache] | None,
         last_only: bool,
+        forwards: Sequence[Callable[..., Any]] | None = None,
     ) -> Tensor:
-        """Logits of every component, float32 ``[k+1, B, T', V]`` (``T' = 1`` when ``last_only``)."""
+        """Logits of every component, float32 ``[k+1, B, T', V]`` (``T' = 1`` when ``last_only``).
+
+        ``forwards``: callables that stand in for the components' modules (their compiled forwards), in the
+        order of ``caches``."""
         kwargs: dict[str, Any] = {"use_cache": caches is not None}
         if last_only and _accepts(self._base_model(), "logits_to_keep"):
             kwargs["logits_to_keep"] = 1
         if self.backend == "adapters":
             # adapter_names reach every LoRA layer through the hooks `_running` registered.
             n, b = self.num_experts + 1, input_ids.shape[0]
-            out = self._base_model()(
+            out = (self._base_model() if forwards is None else forwards[0])(
                 input_ids=input_ids.repeat(n, 1),
                 attention_mask=None if attention_mask is None else attention_mask.repeat(n, 1),
                 position_ids=None if position_ids is None else position_ids.repeat(n, 1),
@@ -285,7 +293,7 @@ class ComposedLM(nn.Module):
             return logits.float().view(n, b, *logits.shape[1:])
         models = [self.background, *self.experts]
         outs = []
-        for i, m in enumerate(models):
+        for i, m in enumerate(models if forwards is None else forwards):
             out = m(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -296,10 +304,22 @@ class ComposedLM(nn.Module):
             outs.append(out.logits[:, -1:] if last_only else out.logits)
         return torch.stack([o.float() for o in outs])
 
+    def _components(self) -> list[nn.Module]:
+        """The modules a decoding step runs: the adapters backend's base model, or every model."""
+        return [self._base_model()] if self.backend == "adapters" else [self.background, *self.experts]
+
     def _new_caches(self) -> list[DynamicCache]:
-        if self.backend == "adapters":
-            return [DynamicCache(config=self._base_model().config)]
-        return [DynamicCache(config=m.config) for m in [self.background, *self.experts]]
+        return [DynamicCache(config=m.config) for m in self._components()]
+
+    def _compiled_forward(self, module: nn.Module, mode: str | None) -> Callable[..., Any]:
+        """``torch.compile`` of ``module.forward`` (static shapes, one graph), kept for later calls: dynamo reuses its
+        code for every call with the same shapes, so only the first decoding step of a new batch size or cache
+        length compiles."""
+        compiled = self.__dict__.setdefault("_compiled_forwards", {})
+        key = (id(module), mode)
+        if key not in compiled:
+            compiled[key] = torch.compile(module.forward, fullgraph=True, dynamic=False, mode=mode)
+        return compiled[key]
 
     @contextmanager
     def _running(self, batch_size: int) -> Iterator[None]:
@@ -493,6 +513,7 @@ class ComposedLM(nn.Module):
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
         lazy: bool | str = False,
+        compile: bool | str = False,
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
@@ -531,6 +552,12 @@ class ComposedLM(nn.Module):
                 steps are skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
                 floating-point rounding of the logits); the adapters backend then runs the background and the
                 open experts as one batch of row blocks. Ignored without gates.
+            compile: run each decoding step through ``torch.compile`` (one graph, static shapes) on static KV caches
+                (transformers' ``StaticCache``, ``STATIC_CACHE_STEP``-token multiples); the prompt's forward stays
+                eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
+                on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
+                minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
+                floating-point rounding; not with ``lazy``.
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
@@ -538,7 +565,7 @@ class ComposedLM(nn.Module):
 
         Raises:
             ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows;
-                no ``attention_mask`` where pad = EOS and a row ends with that token.
+                no ``attention_mask`` where pad = EOS and a row ends with that token; ``compile`` with ``lazy``.
         """
         device = self.device
         input_ids = input_ids.to(device)
@@ -568,7 +595,14 @@ class ComposedLM(nn.Module):
         lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
-        with self._decoding(batch, lazy) as decode:
+        if compile and lazy:
+            raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
+        if compile and self.__dict__.get("_packed"):
+            raise ValueError("generate(compile=...) inside packed_weights(): inductor cannot compile oneDNN-packed "
+                             "linear layers; use one or the other")
+        static_length = _static_cache_length(prompt_len + max_new_tokens) if compile else None
+        mode = None if compile is True else compile or None
+        with self._decoding(batch, lazy, static_length, mode) as decode:
             positions = position_ids_of(input_ids, attention_mask, self.position_restart)
             for step in range(max_new_tokens):
                 masks = _gate_masks(gates, input_ids, device)
@@ -600,11 +634,13 @@ class ComposedLM(nn.Module):
         return input_ids
 
     @contextmanager
-    def _decoding(self, batch_size: int, lazy: bool | str) -> Iterator[_PlainSteps | _LazySteps]:
-        """Eval mode and the step function of :meth:`generate`: every component each step, or the lazy one."""
+    def _decoding(self, batch_size: int, lazy: bool | str, static_length: int | None = None,
+                  mode: str | None = None) -> Iterator[_PlainSteps | _CompiledSteps | _LazySteps]:
+        """Eval mode and the step function of :meth:`generate`: every component each step (compiled when a static
+        cache length is given), or the lazy one."""
         if not lazy:
             with self._running(batch_size):
-                yield _PlainSteps(self)
+                yield _PlainSteps(self) if static_length is None else _CompiledSteps(self, static_length, mode)
             return
         with eval_mode(self):
             prompt = lazy == "decode"
@@ -929,6 +965,8 @@ def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: _StackedL
 def _expert_blocks(t: Tensor, k: int, skip: int) -> Tensor:
     """The last ``k`` of the equal row blocks of ``t [(skip+k)·B, ..., d]`` as a view ``[k, B·…, d]``: one op
     (``as_strided`` on contiguous memory) where a reshape and a slice are two, which counts on small models."""
+    if torch.compiler.is_compiling():  # storage offsets are not traceable; the compiler fuses the views anyway
+        return t.reshape(skip + k, -1, t.shape[-1])[skip:]
     t = t if t.is_contiguous() else t.contiguous()
     d = t.shape[-1]
     per_block = t.numel() // ((skip + k) * d)
@@ -1104,6 +1142,38 @@ class _PlainSteps:
         new = slice(self.held, input_ids.shape[1])
         self.held = input_ids.shape[1]
         return self.lm._forward(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
+
+
+class _CompiledSteps:
+    """:class:`_PlainSteps` on static KV caches: the prompt's forward eager, every later step through the components'
+    compiled forwards. The attention mask is padded to the cache length (with ones: causal masking already hides
+    the positions not yet written), so every step has the same shapes and reuses one compiled graph."""
+
+    def __init__(self, lm: ComposedLM, length: int, mode: str | None) -> None:
+        modules = lm._components()
+        self.lm, self.length, self.held = lm, length, 0
+        self.caches = [StaticCache(config=m.config, max_cache_len=length) for m in modules]
+        self.forwards = [lm._compiled_forward(m, mode) for m in modules]
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
+                 active: list[int] | None) -> Tensor:
+        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
+        new = slice(self.held, input_ids.shape[1])
+        forwards = self.forwards if self.held else None  # the prompt (any length) runs eager
+        self.held = input_ids.shape[1]
+        mask = F.pad(attention_mask, (0, self.length - attention_mask.shape[1]), value=1)
+        # dynamo guards strides too, even of size-1 dims: a slice of the growing prefix would recompile every step
+        ids, positions = (t[:, new].clone(memory_format=torch.contiguous_format) for t in (input_ids, positions))
+        return self.lm._forward(ids, mask, positions, self.caches, True, forwards)[:, :, -1]
+
+
+# Static KV caches (``generate(compile=...)``) hold a multiple of this many tokens, so that prompts of similar
+# lengths share one compiled graph.
+STATIC_CACHE_STEP = 128
+
+
+def _static_cache_length(tokens: int) -> int:
+    return -(-tokens // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
 
 
 # Lazy decoding (adapters backend): an expert that missed at most this many tokens joins the next step's forward,

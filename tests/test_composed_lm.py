@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 
 import pytest
 import torch
@@ -452,3 +454,58 @@ def test_missing_attention_mask_where_pad_is_eos():
     right_mask[1] = torch.cat([mask[1, 1:], mask.new_tensor([0])])
     out = composed.generate(right, right_mask, **kw)
     assert torch.equal(out[:, ids.shape[1]:], ref[:, ids.shape[1]:])
+
+
+# ---------------------------------------------------------------------------------------------- compiled decoding
+
+needs_cpp_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                        reason="torch.compile on CPU (inductor) needs a C++ compiler")
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@needs_cpp_compiler
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once(arch):
+    """generate(compile=True): static KV caches, each step one compiled graph; same tokens as eager decoding on
+    both backends (left padding, gates, EOS), and later calls with the same shapes reuse the graph."""
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft(arch)
+    adapters = ComposedLM.from_peft(peft_model, ["a", "b"])
+    separate = ComposedLM(plain_copy(peft_model), [merged_copy(peft_model, "a"), merged_copy(peft_model, "b")],
+                          names=["a", "b"])
+    late = [None, lambda prefix: torch.full((prefix.shape[0],), prefix.shape[1] >= ids.shape[1] + 3)]
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+    for composed in (adapters, separate):
+        eager = composed.generate(ids, mask, **kw)
+        before = _graphs_compiled()
+        assert torch.equal(composed.generate(ids, mask, compile=True, **kw), eager)
+        compiled = _graphs_compiled()
+        assert compiled > before  # the steps really ran through torch.compile
+        # Same batch, a shorter prompt and another length: one cache size (STATIC_CACHE_STEP), no new graph.
+        assert torch.equal(composed.generate(ids[:, 2:], mask[:, 2:], compile=True, **kw),
+                           composed.generate(ids[:, 2:], mask[:, 2:], **kw))
+        assert torch.equal(composed.generate(ids, mask, gates=late, compile=True, **kw),
+                           composed.generate(ids, mask, gates=late, **kw))
+        assert _graphs_compiled() == compiled
+        # One row: a new batch shape, so one new graph, and only one over all its steps.
+        assert torch.equal(composed.generate(ids[2:], mask[2:], compile=True, **kw),
+                           composed.generate(ids[2:], mask[2:], **kw))
+        assert _graphs_compiled() == compiled + 1
+    assert not torch.equal(eager, hf_generate(plain_copy(peft_model), ids, mask))  # the experts matter here
+
+
+def test_compiled_decoding_refuses_lazy_and_packed_weights():
+    ids, mask = left_padded_batch()
+    composed = ComposedLM.from_peft(tiny_peft("llama"), ["a", "b"])
+    with pytest.raises(ValueError, match="does not combine with lazy"):
+        composed.generate(ids, mask, max_new_tokens=4, gates=[None, None], lazy=True, compile=True)
+    with composed.packed_weights(batch_size=3) as packed:
+        if packed:  # oneDNN present
+            with pytest.raises(ValueError, match="inside packed_weights"):
+                composed.generate(ids, mask, max_new_tokens=4, compile=True)
+    assert "_packed" not in vars(composed)
