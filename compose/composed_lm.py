@@ -311,16 +311,6 @@ class ComposedLM(nn.Module):
     def _new_caches(self) -> list[DynamicCache]:
         return [DynamicCache(config=m.config) for m in self._components()]
 
-    def _compiled_forward(self, module: nn.Module, mode: str | None) -> Callable[..., Any]:
-        """``torch.compile`` of ``module.forward`` (static shapes, one graph), kept for later calls: dynamo reuses its
-        code for every call with the same shapes, so only the first decoding step of a new batch size or cache
-        length compiles."""
-        compiled = self.__dict__.setdefault("_compiled_forwards", {})
-        key = (id(module), mode)
-        if key not in compiled:
-            compiled[key] = torch.compile(module.forward, fullgraph=True, dynamic=False, mode=mode)
-        return compiled[key]
-
     @contextmanager
     def _running(self, batch_size: int) -> Iterator[None]:
         """Eval mode and, for the adapters backend, peft's mixed-adapter batch for ``batch_size`` rows.
@@ -1153,7 +1143,7 @@ class _CompiledSteps:
         modules = lm._components()
         self.lm, self.length, self.held = lm, length, 0
         self.caches = [StaticCache(config=m.config, max_cache_len=length) for m in modules]
-        self.forwards = [lm._compiled_forward(m, mode) for m in modules]
+        self.forwards = [functools.partial(_compiled_forward(type(m), mode), m) for m in modules]
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
                  active: list[int] | None) -> Tensor:
@@ -1165,6 +1155,15 @@ class _CompiledSteps:
         # dynamo guards strides too, even of size-1 dims: a slice of the growing prefix would recompile every step
         ids, positions = (t[:, new].clone(memory_format=torch.contiguous_format) for t in (input_ids, positions))
         return self.lm._forward(ids, mask, positions, self.caches, True, forwards)[:, :, -1]
+
+
+@functools.cache
+def _compiled_forward(cls: type[nn.Module], mode: str | None) -> Callable[..., Any]:
+    """``torch.compile`` of a model class's ``forward`` (one graph, static shapes), called with the module first.
+    The module's parameters are graph inputs, not constants, so every module of the class (the k+1 models of the
+    separate backend, several ``ComposedLM``) shares the graphs: only a new batch size, cache length or module
+    structure compiles. Nothing here holds a module."""
+    return torch.compile(cls.forward, fullgraph=True, dynamic=False, mode=mode)
 
 
 # Static KV caches (``generate(compile=...)``) hold a multiple of this many tokens, so that prompts of similar
