@@ -32,7 +32,8 @@ Usage::
         [--out benchmarks/RESULTS_decode.md]
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
---experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there).
+--experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there); then with CUDA
+graphs: the same with ``--compile reduce-overhead --out benchmarks/RESULTS_decode_cuda_graphs.md`` (no ``--memory``).
 
 ``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
 (oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
