@@ -257,8 +257,9 @@ class ComposedLM(nn.Module):
         rows = batch_size * (self.num_experts + 1 if self.backend == "adapters" else 1)
         with contextlib.ExitStack() as stack:
             packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in modules)
-            self.__dict__["_packed"] = packed > 0
-            stack.callback(self.__dict__.pop, "_packed", None)
+            outer = self.__dict__.get("_packed", False)  # an enclosing block's state, restored on exit
+            self.__dict__["_packed"] = outer or packed > 0
+            stack.callback(self.__dict__.__setitem__, "_packed", outer)
             yield packed
 
     # ------------------------------------------------------------------ forward passes
@@ -585,6 +586,8 @@ class ComposedLM(nn.Module):
         lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
+        if not isinstance(compile, (bool, str)):
+            raise TypeError(f"compile must be a bool or a torch.compile mode string, got {compile!r}")
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
         if compile and self.__dict__.get("_packed"):

@@ -502,10 +502,16 @@ def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once(arch):
 def test_compiled_decoding_refuses_lazy_and_packed_weights():
     ids, mask = left_padded_batch()
     composed = ComposedLM.from_peft(tiny_peft("llama"), ["a", "b"])
+    with pytest.raises(TypeError, match="compile must be a bool or a torch.compile mode"):
+        composed.generate(ids, mask, max_new_tokens=4, compile=1)
     with pytest.raises(ValueError, match="does not combine with lazy"):
         composed.generate(ids, mask, max_new_tokens=4, gates=[None, None], lazy=True, compile=True)
     with composed.packed_weights(batch_size=3) as packed:
         if packed:  # oneDNN present
             with pytest.raises(ValueError, match="inside packed_weights"):
                 composed.generate(ids, mask, max_new_tokens=4, compile=True)
-    assert "_packed" not in vars(composed)
+            with composed.packed_weights(batch_size=3):  # a nested block (already packed: packs nothing)
+                pass
+            with pytest.raises(ValueError, match="inside packed_weights"):
+                composed.generate(ids, mask, max_new_tokens=4, compile=True)
+    assert not vars(composed)["_packed"]
