@@ -44,10 +44,10 @@ a model so small that each op costs its dispatch rather than its arithmetic, the
 time ratio. ``--lora-rank 1`` keeps every LoRA op and almost none of their arithmetic (compare with the default
 r = 8 to tell the two apart).
 
-``--compile [MODE]``: every ``ComposedLM`` runner decodes with ``generate(compile=MODE or True)`` (static KV
-caches, each decoding step through ``torch.compile``; ``reduce-overhead`` adds CUDA graphs on a GPU); HF
-``generate`` stays eager as the check. The warm-up compiles, so the times are the compiled steps'. Not with
-``--packed``.
+``--compile [MODE]``: the background, the bound and the adapters also decode with ``generate(compile=MODE or
+True)`` (static KV caches, each decoding step through ``torch.compile``; ``reduce-overhead`` adds CUDA graphs on a
+GPU), timed in the same repetitions as the eager runners, in a second table; their tokens are checked against the
+eager ones. The warm-up compiles, so the times are the compiled steps'. Not with ``--packed``.
 
 ``--threads`` is left to torch's default unless given. On a machine other processes are loading, 2
 intra-op threads wait on each other at every op barrier and times blow up by 10-400x; the script
@@ -83,7 +83,7 @@ TOY_MODELS = {
 SMOLLM2 = "smollm2"
 MODELS = [*TOY_MODELS, SMOLLM2]
 TOY_VOCAB, PROMPT = 256, 16
-COMPILE: bool | str = False  # --compile: ComposedLM.generate(compile=...)
+COMPILE: bool | str = False  # --compile MODE: also time ComposedLM.generate(compile=MODE)
 LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
 
 
@@ -132,7 +132,21 @@ def build(name: str, ks: list[int], separate_ks: list[int], device: str, dtype: 
         if k in separate_ks:
             merged = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in names[:k]]
             runners[f"separate {k}"] = (ComposedLM(background, merged, names=names[:k]), 1)
+    if COMPILE:
+        for key in [key for key in runners if key == "background" or key.split()[0] in ("bound", "adapters")]:
+            runner, repeat = runners[key]
+            runners[f"{key} compiled"] = (Compiled(runner, COMPILE), repeat)
     return n_params, background.config.vocab_size, runners
+
+
+class Compiled:
+    """A ``ComposedLM`` runner that decodes with ``generate(compile=mode)``."""
+
+    def __init__(self, composed: ComposedLM, mode: bool | str) -> None:
+        self.composed, self.mode = composed, mode
+
+    def generate(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.composed.generate(ids, compile=self.mode, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -145,8 +159,8 @@ def _sync(device: str) -> None:
 
 def decode(runner, ids: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` greedy tokens after ``ids``, EOS disabled."""
-    if isinstance(runner, ComposedLM):
-        out = runner.generate(ids, max_new_tokens=n, eos_token_id=[], compile=COMPILE)  # [] = no EOS stopping
+    if isinstance(runner, (ComposedLM, Compiled)):
+        out = runner.generate(ids, max_new_tokens=n, eos_token_id=[])  # [] = no EOS stopping
     else:
         out = runner.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -166,7 +180,8 @@ def run(runner, ids: torch.Tensor, n: int, device: str) -> float:
 def checks(runners: dict, ids: torch.Tensor, n: int) -> list[str]:
     """Token-for-token agreement: the loop with no experts vs HF ``generate``; adapters vs separate."""
     pairs = [("background", "HF generate")] + [
-        (f"adapters {key.split()[1]}", key) for key in runners if key.startswith("separate")]
+        (f"adapters {key.split()[1]}", key) for key in runners if key.startswith("separate")] + [
+        (key, key.removesuffix(" compiled")) for key in runners if key.startswith("adapters") and "compiled" in key]
     results = []
     for a, b in pairs:
         same = torch.equal(decode(runners[a][0], ids, n), decode(runners[b][0], ids, n))
@@ -230,8 +245,8 @@ def measure(runners: dict, vocab: int, batch: int, new_tokens: int, reps: int, d
     """Median per-token ms and prefill ms of every runner, configurations interleaved within each repetition."""
     ids = prompt(vocab, batch, device)
     inputs = {key: ids.repeat(repeat, 1) for key, (_, repeat) in runners.items()}
-    for key, (runner, _) in runners.items():  # warm-up (compiling, with --compile, for the timed cache length)
-        run(runner, inputs[key], new_tokens + 1 if COMPILE else 2, device)
+    for key, (runner, _) in runners.items():  # warm-up (compiling the compiled runners for the timed cache length)
+        run(runner, inputs[key], new_tokens + 1 if isinstance(runner, Compiled) else 2, device)
     agreement = checks(runners, ids, new_tokens)
     per_token: dict[str, list[float]] = {k: [] for k in runners}
     prefill: dict[str, list[float]] = {k: [] for k in runners}
@@ -336,8 +351,6 @@ def memory_in_subprocess(args, name: str, batch: int, k: int) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.packed:
         cmd.append("--packed")
-    if args.compile:
-        cmd += ["--compile"] + ([] if args.compile is True else [args.compile])
     if args.lora_targets:
         cmd += ["--lora-targets", *args.lora_targets]
     cmd += ["--lora-rank", str(LORA["r"])]
@@ -370,6 +383,22 @@ def packed_row(name, n_params, batch, k, dense, packed, pre) -> str:
         f"{adapters:.2f}", "—" if sep is None else f"{sep:.2f}", f"{adapters / background:.2f}x",
         f"{adapters / bound:.2f}x", "—" if sep is None else f"{sep / adapters:.2f}x",
         f"{pre[f'bound {k}']:.0f} / {pre[f'adapters {k}']:.0f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+COMPILED_HEADER = ("| model | params | batch | k | background ms/tok eager / compiled | bg at (k+1)·B compiled | "
+                   "adapters eager / compiled | compiled / eager adapters | compiled adapters / compiled background | "
+                   "compiled adapters / compiled bg at (k+1)·B | eager adapters / eager bg at (k+1)·B |")
+
+
+def compiled_row(name, n_params, batch, k, t) -> str:
+    """One ``--compile`` row: the compiled runners beside the eager ones of the same repetitions."""
+    bg, bound, adapters = (t[f"{key} compiled"] for key in ("background", f"bound {k}", f"adapters {k}"))
+    cells = [
+        name, f"{n_params / 1e6:.2f} M", str(batch), str(k), f"{t['background']:.2f} / {bg:.2f}", f"{bound:.2f}",
+        f"{t[f'adapters {k}']:.2f} / {adapters:.2f}", f"{adapters / t[f'adapters {k}']:.2f}x", f"{adapters / bg:.2f}x",
+        f"{adapters / bound:.2f}x", f"{t[f'adapters {k}'] / t[f'bound {k}']:.2f}x",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -474,7 +503,7 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
-    baselines, notes, packed_lines, op_lines = [], [], [], []
+    baselines, notes, packed_lines, op_lines, compiled_lines = [], [], [], [], []
     for name in args.models:
         n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
@@ -498,6 +527,8 @@ def main() -> None:
             for k in args.experts:
                 lines.append(row(name, n_params, batch, k, t, pre, mem))
                 print(lines[-1], flush=True)
+                if COMPILE:
+                    compiled_lines.append(compiled_row(name, n_params, batch, k, t))
         del runners
     # the CPU's vector extensions decide how matmul time grows with the rows (AVX2 vs AVX512 differ widely)
     device = (torch.cuda.get_device_name() if args.device.startswith("cuda")
@@ -507,7 +538,6 @@ def main() -> None:
         f"(load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end), {platform.machine()}, "
         f"{device}, {args.dtype}; greedy, prompt {PROMPT}, {args.new_tokens} new tokens, median of {args.reps}; "
         f"LoRA r={LORA['r']} on {_targets()}; background = ComposedLM with no experts (same loop)"
-        + (f"; compiled decoding steps (ComposedLM.generate(compile={COMPILE!r}), HF generate eager)" if COMPILE else "")
         + (f"; peak RSS includes the process's {min(baselines):.0f}-{max(baselines):.0f} MB after imports"
            if baselines and args.device == "cpu" else "")
         + f"; total {time.perf_counter() - t0:.0f} s"
@@ -517,6 +547,10 @@ def main() -> None:
         setup += ("\n\nOn oneDNN-packed weights (`--packed`; the background timed on dense weights beside each k's "
                   "packed runs, and packed on its own; ratios use the faster background):\n\n" + PACKED_HEADER
                   + "\n|" + "---|" * PACKED_HEADER.count(" | ") + "---|\n" + "\n".join(packed_lines))
+    if compiled_lines:
+        setup += (f"\n\nCompiled decoding (`--compile`: ComposedLM.generate(compile={COMPILE!r}), timed in the same "
+                  "repetitions as the eager runners above):\n\n" + COMPILED_HEADER + "\n|"
+                  + "---|" * COMPILED_HEADER.count(" | ") + "---|\n" + "\n".join(compiled_lines))
     if op_lines:
         setup += "\n\nATen ops per generated token (`--ops`, torch.profiler):\n\n" + OPS_HEADER + "\n" + "\n".join(op_lines)
     print(setup)
