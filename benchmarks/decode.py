@@ -33,7 +33,7 @@ Usage::
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
 --experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there); then with CUDA
-graphs: the same with ``--compile reduce-overhead --out benchmarks/RESULTS_decode_cuda_graphs.md`` (no ``--memory``).
+graphs: the same with ``--compile reduce-overhead --out benchmarks/RESULTS_decode_cuda_graphs.md``.
 
 ``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
 (oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
@@ -470,8 +470,9 @@ def main() -> None:
                         help="also count the ATen ops per generated token (torch.profiler) of the background, the "
                              "bound and the adapters: what a step costs where each op costs its dispatch")
     parser.add_argument("--compile", nargs="?", const=True, default=False, metavar="MODE",
-                        help="decode every ComposedLM with generate(compile=MODE or True): static KV caches and "
-                             "compiled steps (reduce-overhead: CUDA graphs on a GPU)")
+                        help="also time the background, the bound and the adapters with generate(compile=MODE or "
+                             "True), beside the eager runners: static KV caches and compiled steps (reduce-overhead: "
+                             "CUDA graphs on a GPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -253,10 +253,9 @@ class ComposedLM(nn.Module):
         """
         from compose.packed_weights import packed_linear_weights
 
-        modules = [self.model] if self.backend == "adapters" else [self.background, *self.experts]
         rows = batch_size * (self.num_experts + 1 if self.backend == "adapters" else 1)
         with contextlib.ExitStack() as stack:
-            packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in modules)
+            packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in self._components())
             outer = self.__dict__.get("_packed", False)  # an enclosing block's state, restored on exit
             self.__dict__["_packed"] = outer or packed > 0
             stack.callback(self.__dict__.__setitem__, "_packed", outer)
@@ -594,7 +593,7 @@ class ComposedLM(nn.Module):
             raise ValueError("generate(compile=...) inside packed_weights(): inductor cannot compile oneDNN-packed "
                              "linear layers; use one or the other")
         static_length = _static_cache_length(prompt_len + max_new_tokens) if compile else None
-        mode = None if compile is True else compile or None
+        mode = compile if isinstance(compile, str) else None  # True: torch's default mode
         with self._decoding(batch, lazy, static_length, mode) as decode:
             positions = position_ids_of(input_ids, attention_mask, self.position_restart)
             for step in range(max_new_tokens):
