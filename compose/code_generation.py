@@ -43,7 +43,7 @@ import torch
 
 from compose.code_eval import load_problems
 from compose.common import atomic_write_text
-from compose.composed_lm import ComposedLM
+from compose.composed_lm import ComposedLM, check_compile
 from data.generation import left_padded
 
 # The Codex paper's stop sequences (Chen et al. 2021), also lm-eval's and bigcode's HumanEval tasks.
@@ -79,6 +79,8 @@ class CodeGenSettings:
         stop_strings: a completion ends before the first of these (see the module docstring).
         chat_template: wrap each prompt in the tokenizer's chat template (instruct models).
         instruction, response_prefix: the chat wrapping's user instruction and assistant prefix.
+        compile: decode with ``ComposedLM.generate(compile=...)`` (``True`` or a ``torch.compile`` mode): each batch
+            size and 128-token cache length compiles once, later batches of that shape reuse the graph.
     """
 
     max_new_tokens: int = 384
@@ -87,6 +89,7 @@ class CodeGenSettings:
     chat_template: bool = False
     instruction: str = CHAT_INSTRUCTION
     response_prefix: str = CHAT_RESPONSE_PREFIX
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         for key in ("max_new_tokens", "batch_size"):
@@ -94,6 +97,7 @@ class CodeGenSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CodeGenSettings.{key} must be a positive integer, got {value!r}")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "compile", check_compile(self.compile))
 
     @property
     def all_stop_strings(self) -> tuple[str, ...]:
@@ -169,6 +173,7 @@ def generate_completions(composed: ComposedLM, prompts: Sequence[str],
         generated = composed.generate(
             ids.to(device), mask.to(device), max_new_tokens=settings.max_new_tokens, do_sample=False,
             eos_token_id=eos, pad_token_id=pad, stop_strings=list(stops) or None, tokenizer=tokenizer,
+            compile=settings.compile,
         )
         for row, i in enumerate(rows):
             new = generated[row, ids.shape[1]:].tolist()
@@ -287,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--packed_weights", action="store_true",
                    help="CPU: decode on oneDNN-packed linear weights (ComposedLM.packed_weights; same greedy "
                         "tokens up to rounding, faster where a few rows cost about one; a copy of the weights)")
+    p.add_argument("--compile", nargs="?", const="true", default=False, metavar="MODE",
+                   help="decode with torch.compile (ComposedLM.generate(compile=...); optional mode, e.g. "
+                        "reduce-overhead for CUDA graphs); not with --packed_weights")
     p.add_argument("--evaluate", action="store_true", help="then run the samples (compose.code_eval) and print pass@1")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per program when evaluating")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
@@ -326,7 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.limit is not None:
             task_ids = task_ids[: max(0, args.limit)]
         settings = CodeGenSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                   stop_strings=STOP_STYLES[args.stop], chat_template=args.chat_template)
+                                   stop_strings=STOP_STYLES[args.stop], chat_template=args.chat_template,
+                                   compile=args.compile)
+        if settings.compile and args.packed_weights:
+            raise ValueError("--compile and --packed_weights do not combine (inductor cannot compile oneDNN-packed "
+                             "linear layers); choose one")
         composed = _load(args)
         with composed.packed_weights(args.batch_size) if args.packed_weights else contextlib.nullcontext():
             samples = generate_samples(composed, problems, task_ids, settings)

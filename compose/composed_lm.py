@@ -547,7 +547,7 @@ class ComposedLM(nn.Module):
                 eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
                 on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
                 minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
-                floating-point rounding; not with ``lazy``.
+                floating-point rounding; not with ``lazy``. Checked by :func:`check_compile`.
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
@@ -555,7 +555,9 @@ class ComposedLM(nn.Module):
 
         Raises:
             ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows;
-                no ``attention_mask`` where pad = EOS and a row ends with that token; ``compile`` with ``lazy``.
+                no ``attention_mask`` where pad = EOS and a row ends with that token; ``compile`` with ``lazy``
+                or inside :meth:`packed_weights`, or not a mode.
+            TypeError: ``compile`` neither a bool nor a string.
         """
         device = self.device
         input_ids = input_ids.to(device)
@@ -585,8 +587,7 @@ class ComposedLM(nn.Module):
         lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
-        if not isinstance(compile, (bool, str)):
-            raise TypeError(f"compile must be a bool or a torch.compile mode string, got {compile!r}")
+        compile = check_compile(compile)
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
         if compile and self.__dict__.get("_packed"):
@@ -1166,6 +1167,26 @@ def _compiled_forward(cls: type[nn.Module], mode: str | None) -> Callable[..., A
     separate backend, several ``ComposedLM``) shares the graphs: only a new batch size, cache length or module
     structure compiles. Nothing here holds a module."""
     return torch.compile(cls.forward, fullgraph=True, dynamic=False, mode=mode)
+
+
+def check_compile(value: bool | str) -> bool | str:
+    """``generate``'s ``compile`` argument, checked: a bool, ``"true"``/``"false"`` (any case, as command lines and
+    lm-eval's ``model_args`` give it), or a ``torch.compile`` mode (``torch._inductor.list_mode_options()``).
+
+    Raises:
+        TypeError: neither a bool nor a string.
+        ValueError: a string that is neither a boolean nor a mode (the message lists the modes).
+    """
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"compile must be a bool or a torch.compile mode string, got {value!r}")
+    if value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    modes = list(torch._inductor.list_mode_options())
+    if value not in modes:
+        raise ValueError(f"compile={value!r} is not a torch.compile mode; expected true, false or one of {modes}")
+    return value
 
 
 # Static KV caches (``generate(compile=...)``) hold a multiple of this many tokens, so that prompts of similar

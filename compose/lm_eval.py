@@ -49,7 +49,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from compose.composed_lm import ComposedLM, _check_tokenizers
+from compose.composed_lm import ComposedLM, _check_tokenizers, check_compile
 
 MODEL_NAME = "composed"
 DEFAULT_MAX_LENGTH = 2048
@@ -78,6 +78,9 @@ class ComposedLMEval(TemplateLM):
         packed_weights: on CPU, run each call's forwards on oneDNN-packed linear weights
             (:meth:`ComposedLM.packed_weights`, tuned for ``batch_size``): the same tokens and scores up to rounding,
             decoding faster where the CPU's kernels make a few rows cost about one; costs a copy of the weights.
+        compile: ``generate_until`` decodes with ``ComposedLM.generate(compile=...)``: ``true`` or a
+            ``torch.compile`` mode (``reduce-overhead``: CUDA graphs on a GPU). Each new batch size or 128-token
+            cache length compiles once (minutes for SmolLM2-135M on a CPU); not with ``packed_weights``.
         max_batch_size: accepted for ``simple_evaluate``'s sake; unused (no ``auto`` batch size).
     """
 
@@ -98,6 +101,7 @@ class ComposedLMEval(TemplateLM):
         chat_template_args: dict[str, Any] | None = None,
         composed: ComposedLM | None = None,
         packed_weights: bool | str = False,
+        compile: bool | str = False,
         max_batch_size: int | None = None,
         **unknown: Any,
     ) -> None:
@@ -110,6 +114,13 @@ class ComposedLMEval(TemplateLM):
         self._max_length = None if max_length is None else _positive_int(max_length, "max_length")
         self._max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         self.packed_weights = _flag(packed_weights, "packed_weights")
+        try:
+            self.compile = check_compile(compile)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{MODEL_NAME}: {err}") from None
+        if self.compile and self.packed_weights:
+            raise ValueError(f"{MODEL_NAME}: compile and packed_weights do not combine (inductor cannot compile "
+                             "oneDNN-packed linear layers); choose one")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if composed is None:
             check_export_tokenizer(manifest)
@@ -346,6 +357,7 @@ class ComposedLMEval(TemplateLM):
             pad_token_id=self.tokenizer.pad_token_id,
             stop_strings=until,
             tokenizer=self.tokenizer,
+            compile=self.compile,
         )
         return [postprocess_generated_text(self.tok_decode(row[ids.shape[1]:]), until, None) for row in out.tolist()]
 
@@ -371,6 +383,7 @@ class ComposedLMEval(TemplateLM):
             "weights": list(self.composed.weights),
             "composition": self.composed.composition,
             "backend": self.composed.backend,
+            "compile": self.compile,
             "model_num_parameters": sum(p.numel() for p in self.composed.parameters()),
             "model_dtype": str(next(self.composed.parameters()).dtype),
         }
@@ -494,6 +507,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_length", type=int, default=None)
     p.add_argument("--packed_weights", action="store_true",
                    help="CPU: run on oneDNN-packed linear weights (model_arg packed_weights; ComposedLM.packed_weights)")
+    p.add_argument("--compile", nargs="?", const="true", default=None, metavar="MODE",
+                   help="decode generate_until requests with torch.compile (model_arg compile; optional mode, e.g. "
+                        "reduce-overhead for CUDA graphs)")
     p.add_argument("--num_fewshot", type=int, default=None)
     p.add_argument("--apply_chat_template", action="store_true")
     p.add_argument("--log_samples", action="store_true", help="keep per-sample outputs in --output")
@@ -520,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_args["max_length"] = args.max_length
         if args.packed_weights:
             model_args["packed_weights"] = True
+        if args.compile:
+            model_args["compile"] = args.compile
         lm = ComposedLMEval(**model_args)
     except (ValueError, FileNotFoundError) as err:
         print(f"compose.lm_eval: error: {err}", file=sys.stderr)

@@ -29,6 +29,7 @@ from compose.code_generation import (
     select_components,
 )
 from tests.tiny_code_models import BOS, PAD, PROBLEMS, code_tokenizer, tiny_lora, write_problems
+from tests.tiny_models import needs_cpp_compiler
 
 SPECS = {"a": {"interval": {"start": "(", "end": ")"}}}
 NO_STOP = CodeGenSettings(max_new_tokens=20, batch_size=3, stop_strings=())
@@ -218,10 +219,23 @@ def test_cli_writes_samples_that_code_eval_reads(world, tmp_path, capsys):
     assert code_eval.read_samples(bg_out) == reference
 
 
+@needs_cpp_compiler
+def test_cli_compile_writes_the_same_samples(world, tmp_path, capsys):
+    argv = ["--manifest", str(world.experts), "--problems", str(world.problems_file), "--limit", "2",
+            "--max_new_tokens", "20", "--batch_size", "2", "--device", "cpu", "--stop", "none"]
+    eager, compiled = tmp_path / "eager.jsonl", tmp_path / "compiled.jsonl"
+    assert main([*argv, "--out", str(eager)]) == 0
+    assert main([*argv, "--out", str(compiled), "--compile"]) == 0
+    capsys.readouterr()
+    assert code_eval.read_samples(compiled) == code_eval.read_samples(eager)
+
+
 @pytest.mark.parametrize("bad, needle", [
     (["--manifest", "{tmp}/missing"], "missing: no such export folder"),
     (["--only", "zzz"], "'zzz': no such expert"),
     (["--task_ids", "Tiny/0,Nope/7"], "Nope/7"),
+    (["--compile", "fast"], "compile='fast' is not a torch.compile mode"),
+    (["--compile", "--packed_weights"], "--compile and --packed_weights do not combine"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(world, tmp_path, capsys, bad, needle):
     argv = ["--manifest", str(world.experts), "--problems", str(world.problems_file), "--out",

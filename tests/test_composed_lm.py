@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 
 import pytest
 import torch
-from tiny_models import EOS, PAD, VOCAB, char_tokenizer, mixed_lora_model, tiny_model, tiny_peft
+from tiny_models import (
+    EOS,
+    PAD,
+    VOCAB,
+    char_tokenizer,
+    mixed_lora_model,
+    needs_cpp_compiler,
+    tiny_model,
+    tiny_peft,
+)
 from transformers import LlamaForCausalLM
 
 from compose import ComposedLM, compose_logprobs
+from compose.composed_lm import check_compile
 
 ARCHS = ["llama", "gpt2"]
 
@@ -458,10 +466,6 @@ def test_missing_attention_mask_where_pad_is_eos():
 
 # ---------------------------------------------------------------------------------------------- compiled decoding
 
-needs_cpp_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                        reason="torch.compile on CPU (inductor) needs a C++ compiler")
-
-
 def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
@@ -504,6 +508,10 @@ def test_compiled_decoding_refuses_lazy_and_packed_weights():
     composed = ComposedLM.from_peft(tiny_peft("llama"), ["a", "b"])
     with pytest.raises(TypeError, match="compile must be a bool or a torch.compile mode"):
         composed.generate(ids, mask, max_new_tokens=4, compile=1)
+    with pytest.raises(ValueError, match="compile='fast' is not a torch.compile mode; expected true, false or one of"):
+        composed.generate(ids, mask, max_new_tokens=4, compile="fast")
+    assert check_compile("True") is True and check_compile("false") is False  # as command lines give them
+    assert check_compile("reduce-overhead") == "reduce-overhead"
     with pytest.raises(ValueError, match="does not combine with lazy"):
         composed.generate(ids, mask, max_new_tokens=4, gates=[None, None], lazy=True, compile=True)
     with composed.packed_weights(batch_size=3) as packed:

@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from compose import ComposedLM, export_composition  # noqa: E402
 from compose.lm_eval import ComposedLMEval, main, resolve_tasks  # noqa: E402
+from tests.tiny_models import needs_cpp_compiler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 1, 2
@@ -426,6 +427,36 @@ def test_packed_weights_give_the_same_answers_and_are_released(world):
     assert not any("forward" in vars(m) for m in packed.composed.modules() if type(m) is nn.Linear)
     with pytest.raises(ValueError, match="packed_weights must be true or false, got 'maybe'"):
         lm(world, packed_weights="maybe")
+
+
+@needs_cpp_compiler
+def test_compile_model_arg_decodes_compiled_with_the_same_generations(world):
+    gen = requests("generate_until", GEN_ARGS[:3])
+    plain = lm(world, batch_size=2)
+    compiled = lm(world, batch_size=2, compile="True")  # as lm-eval's model_args string gives it
+    assert compiled.compile is True and compiled.get_model_info()["compile"] is True and plain.compile is False
+    seen = []
+    generate = compiled.composed.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return generate(*args, **kwargs)
+
+    compiled.composed.generate = spy
+    assert compiled.generate_until(gen, disable_tqdm=True) == plain.generate_until(gen, disable_tqdm=True)
+    assert seen == [True, True]  # two batches, each decoded compiled
+
+
+def test_bad_compile_model_arg_is_one_line(world, capsys):
+    with pytest.raises(ValueError, match="composed: compile='fast' is not a torch.compile mode"):
+        lm(world, compile="fast")
+    with pytest.raises(ValueError, match="compile and packed_weights do not combine"):
+        lm(world, compile="reduce-overhead", packed_weights=True)
+    argv = ["--manifest", str(world.experts), "--tasks", "tiny_gen", "--include_path", str(world.tasks),
+            "--no_default_tasks", "--device", "cpu", "--compile", "fast"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compile='fast'" in err[0]
 
 
 # ---------------------------------------------------------------------------------------------- command line

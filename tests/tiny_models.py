@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -9,6 +13,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 VOCAB = 32
 EOS, PAD = 2, 0
+
+needs_cpp_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                        reason="torch.compile on CPU (inductor) needs a C++ compiler")
 
 
 def char_tokenizer(letters: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ") -> PreTrainedTokenizerFast:
