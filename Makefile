@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install train test test-fast lint bench clean
+.PHONY: install train test test-fast lint bench gpu-wheels clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/train_step.py
+
+# Wheels the GPU device machine lacks (its Python is 3.12 and it reaches no registry), for benchmarks/gpu_check.sh.
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -c constraints.txt -d .whl transformers peft regex
 
 clean:
 	rm -rf $(VENV) .pytest_cache

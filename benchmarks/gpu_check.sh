@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 11's GPU run as one device call (at most 8.5 minutes plus installing): the decode table in bf16 (toys and
+# SmolLM2-135M's architecture), peak GPU memory at k = 8, and the 0.9 M toy with CUDA graphs. Each part has its
+# own time limit and streams its log and table into $OUT, so a part that runs out still leaves the rows it printed.
+#
+# The device machine has PyTorch, lightning, torchmetrics and peft but transformers 5.17 (we pin 5.24), no registry,
+# and the 98 MB SmolLM2 GGUF is over its 64 MiB upload: so `smollm2-arch` (that architecture, random weights: the
+# same shapes and cost) stands in for `smollm2`, and the wheels travel:
+#
+#   here:   make gpu-wheels                        (transformers, peft, regex for Python 3.12 -> .whl/)
+#   device: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570)
+#
+# A dry run on this CPU: DEVICE=cpu PYTHON=.venv/bin/python EXTRA="--models llama-1M --new-tokens 4 --reps 1" \
+#   bash benchmarks/gpu_check.sh   (EXTRA is appended to every part; a repeated option's last value wins)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+read -r -a EXTRA <<< "${EXTRA:-}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_check: installing .whl/ failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2> /dev/null
+  "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', \
+transformers.__version__, '| peft', peft.__version__)"
+} 2>&1 | tee "$OUT/versions.txt"
+
+part() {  # part NAME SECONDS ARGS...: one decode.py run; NAME.log and NAME.md under $OUT
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit} s): decode.py --device $DEVICE $* ${EXTRA[*]}"
+  timeout "$limit" "$PY" benchmarks/decode.py --device "$DEVICE" "$@" "${EXTRA[@]}" --out "$OUT/$name.md" 2>&1 \
+    | tee "$OUT/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} (124: out of time)"
+}
+
+part RESULTS_decode_cuda 250 --models llama-1M llama-10M smollm2-arch --batches 1 8 --experts 2 4 8 \
+  --separate-k 2 --new-tokens 32 --reps 3
+part RESULTS_decode_cuda_memory 90 --models smollm2-arch --batches 1 8 --experts 8 --memory-only
+# Each compiled runner compiles in its warm-up (about 18 s a graph on this CPU): five graphs here.
+part RESULTS_decode_cuda_graphs 160 --models llama-1M --batches 1 --experts 2 8 --separate-k \
+  --new-tokens 32 --reps 3 --compile reduce-overhead
