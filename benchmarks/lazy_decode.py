@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import compose.composed_lm as composed_lm  # noqa: E402
+import compose.decoding as decoding  # noqa: E402
 from compose import ComposedLM  # noqa: E402
 
 SMOLLM2_DATA = ROOT / "configs/experiment/data/smollm2_skills"
@@ -237,7 +238,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sets", nargs="*", default=None, help="only the prompt sets whose name contains one of these")
     parser.add_argument("--catch-up-alone", action="store_true",
-                        help="every catch-up a prefill of its own (composed_lm.FUSED_CATCH_UP_TOKENS = 0), as before "
+                        help="every catch-up a prefill of its own (decoding.FUSED_CATCH_UP_TOKENS = 0), as before "
                              "short catch-ups joined the step's forward")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
@@ -247,7 +248,7 @@ def main() -> None:
     quiet()  # the table only: no loading bars or library deprecation notices between its rows
     torch.set_num_threads(args.threads)
     if args.catch_up_alone:
-        composed_lm.FUSED_CATCH_UP_TOKENS = 0
+        decoding.FUSED_CATCH_UP_TOKENS = 0
     start, load = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER]
     print(HEADER, flush=True)
@@ -264,7 +265,7 @@ def main() -> None:
             lines.append(line)
             print(line, flush=True)
     footer = (f"\n{torch.get_num_threads()} thread(s), {platform.machine()}, torch {torch.__version__}, "
-              f"catch-ups fused up to {composed_lm.FUSED_CATCH_UP_TOKENS} tokens, "
+              f"catch-ups fused up to {decoding.FUSED_CATCH_UP_TOKENS} tokens, "
               f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end, {time.perf_counter() - start:.0f} s")
     print(footer)
     if args.out:

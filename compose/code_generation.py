@@ -43,7 +43,8 @@ import torch
 
 from compose.code_eval import load_problems
 from compose.common import atomic_write_text
-from compose.composed_lm import ComposedLM, check_compile
+from compose.composed_lm import ComposedLM
+from compose.decoding import check_compile
 from data.generation import left_padded
 
 # The Codex paper's stop sequences (Chen et al. 2021), also lm-eval's and bigcode's HumanEval tasks.

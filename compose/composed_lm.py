@@ -10,23 +10,21 @@ Two backends compute the same thing:
 Scoring is teacher-forced; generation prefills the prompt once and then feeds one token per step. Gated
 generation can be lazy (``generate(..., lazy=True)``): an expert whose interval is closed gets no forward and
 catches up with one prefill of the tokens it missed when it opens.
+
+How the adapters backend runs its row blocks is :mod:`compose.grouped_lora`; how a decoding step runs (eager,
+compiled, lazy) is :mod:`compose.decoding`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import LongTensor, Tensor, nn
-from torch.nn import functional as F
 from transformers import (
     DynamicCache,
     LogitsProcessorList,
@@ -35,14 +33,15 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import Cache, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache
 
-from compose.common import eval_mode, next_position_ids, position_restart_token
+from compose.common import accepts, eval_mode, next_position_ids, position_restart_token
 from compose.common import position_ids as position_ids_of
+from compose.decoding import CompiledSteps, LazySteps, PlainSteps, check_compile, static_cache_length
 from compose.export import load_export
+from compose.grouped_lora import BASE_ADAPTER, adapter_rows, lora_blocks
 from compose.operator import compose_logprobs
 
-BASE_ADAPTER = "__base__"
 COMPOSITIONS = ("soft", "gated")
 Gate = Callable[[Tensor], Any]
 
@@ -277,10 +276,10 @@ class ComposedLM(nn.Module):
         ``forwards``: callables that stand in for the components' modules (their compiled forwards), in the
         order of ``caches``."""
         kwargs: dict[str, Any] = {"use_cache": caches is not None}
-        if last_only and _accepts(self._base_model(), "logits_to_keep"):
+        if last_only and accepts(self._base_model(), "logits_to_keep"):
             kwargs["logits_to_keep"] = 1
         if self.backend == "adapters":
-            # adapter_names reach every LoRA layer through the hooks `_running` registered.
+            # the row blocks reach every LoRA layer through what `_running` set up (grouped_lora.adapter_rows)
             n, b = self.num_experts + 1, input_ids.shape[0]
             out = (self._base_model() if forwards is None else forwards[0])(
                 input_ids=input_ids.repeat(n, 1),
@@ -313,36 +312,11 @@ class ComposedLM(nn.Module):
 
     @contextmanager
     def _running(self, batch_size: int) -> Iterator[None]:
-        """Eval mode and, for the adapters backend, peft's mixed-adapter batch for ``batch_size`` rows.
-
-        peft's ``model(..., adapter_names=names)`` registers a pre-forward hook on every LoRA layer that
-        passes ``adapter_names`` to it (``LoraLayer._mixed_batch_forward``), and removes the hooks after
-        the call. Here the same hooks are registered once for a whole ``generate``/``score`` call, so each
-        decoding step is one plain forward of the base model instead of a walk over all modules twice.
-        """
-        with eval_mode(self):
-            if self.backend != "adapters":
-                yield
-                return
-            if _grouped_lora_supported(self.model, self.names):
-                with _grouped_lora(self.model, self.names, batch_size):
-                    yield
-                return
-            from peft.tuners.lora import LoraLayer
-            from peft.utils import AuxiliaryTrainingWrapper
-
-            names = [BASE_ADAPTER] * batch_size + [name for name in self.names for _ in range(batch_size)]
-            hook = functools.partial(_inject_adapter_names, adapter_names=names)
-            handles = [
-                module.register_forward_pre_hook(hook, with_kwargs=True)
-                for module in self.model.modules()
-                if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper))
-            ]
-            try:
-                yield
-            finally:
-                for handle in handles:
-                    handle.remove()
+        """Eval mode and, for the adapters backend, the mixed-adapter batch of ``batch_size`` rows per component
+        (:func:`compose.grouped_lora.adapter_rows`) for a whole ``generate`` / ``score`` call."""
+        with eval_mode(self), (adapter_rows(self.model, self.names, batch_size) if self.backend == "adapters"
+                               else contextlib.nullcontext()):
+            yield
 
     @torch.no_grad()
     def component_logprobs(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -593,7 +567,7 @@ class ComposedLM(nn.Module):
         if compile and self.__dict__.get("_packed"):
             raise ValueError("generate(compile=...) inside packed_weights(): inductor cannot compile oneDNN-packed "
                              "linear layers; use one or the other")
-        static_length = _static_cache_length(prompt_len + max_new_tokens) if compile else None
+        static_length = static_cache_length(prompt_len + max_new_tokens) if compile else None
         mode = compile if isinstance(compile, str) else None  # True: torch's default mode
         with self._decoding(batch, lazy, static_length, mode) as decode:
             positions = position_ids_of(input_ids, attention_mask, self.position_restart)
@@ -628,20 +602,20 @@ class ComposedLM(nn.Module):
 
     @contextmanager
     def _decoding(self, batch_size: int, lazy: bool | str, static_length: int | None = None,
-                  mode: str | None = None) -> Iterator[_PlainSteps | _CompiledSteps | _LazySteps]:
+                  mode: str | None = None) -> Iterator[PlainSteps | CompiledSteps | LazySteps]:
         """Eval mode and the step function of :meth:`generate`: every component each step (compiled when a static
         cache length is given), or the lazy one."""
         if not lazy:
             with self._running(batch_size):
-                yield _PlainSteps(self) if static_length is None else _CompiledSteps(self, static_length, mode)
+                yield PlainSteps(self) if static_length is None else CompiledSteps(self, static_length, mode)
             return
         with eval_mode(self):
             prompt = lazy == "decode"
             if self.backend != "adapters":
-                yield _LazySteps(self, prefill_all=prompt)
+                yield LazySteps(self, prefill_all=prompt)
                 return
-            with _lora_blocks(self.model, self.names, batch_size) as select:
-                yield _LazySteps(self, select, prefill_all=prompt)
+            with lora_blocks(self.model, self.names, batch_size) as select:
+                yield LazySteps(self, select, prefill_all=prompt)
 
     def _special_tokens(
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
@@ -813,250 +787,6 @@ def _hidden_and_head(
     return head, captured[0]
 
 
-def _grouped_lora_supported(model: nn.Module, names: Sequence[str]) -> bool:
-    """Plain (unmerged, non-DoRA, bias-free) LoRA on linear layers only, no trainable auxiliary modules, and no
-    other code already replacing a LoRA layer's ``forward`` (e.g. accelerate's offloading hooks)."""
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from peft.utils import AuxiliaryTrainingWrapper
-
-    for module in model.modules():
-        if isinstance(module, AuxiliaryTrainingWrapper):
-            return False
-        if isinstance(module, LoraLayer):
-            if not isinstance(module, LoraLinear) or module.merged or "forward" in vars(module):
-                return False
-            for n in names:
-                if n in module.lora_variant or module.use_dora.get(n, False):
-                    return False
-                if n in module.lora_B and module.lora_B[n].bias is not None:
-                    return False
-    return True
-
-
-class _StackedLoRA:
-    """The k experts' LoRA weights of one layer, stacked for batched matmuls over the experts' row blocks.
-
-    ``lora_a [k, r, d_in]`` and ``lora_b [k, d_out, r]`` hold expert ``i``'s ``A_i``/``B_i`` in block ``i - 1``
-    (peft's own layouts); ranks below the largest and experts that do not adapt this layer are zeros (exact
-    no-ops). The background has no block: its rows get the base layer alone. ``scale`` is every expert's LoRA
-    scaling when they agree (a float), else ``[k, 1, 1]``.
-
-    While it lives, the experts' peft parameters are views into these stacks instead of copies of them (their
-    own storage is released), so composing k experts holds their LoRA weights once; :meth:`release` gives them
-    contiguous storage of their own again. A parameter that does not own all of its storage (a view into FSDP's flat
-    parameters, say) or is a tensor subclass keeps it (then it is copied).
-    """
-
-    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
-        present = [n for n in names if n in module.lora_A]
-        ref_a, ref_b = module.lora_A[present[0]].weight, module.lora_B[present[0]].weight
-        rank = max(module.lora_A[n].weight.shape[0] for n in present)
-        self.lora_a = ref_a.new_zeros(len(names), rank, ref_a.shape[1])
-        self.lora_b = ref_a.new_zeros(len(names), ref_b.shape[0], rank)
-        scales = {float(module.scaling[n]) for n in present}
-        common = next(iter(scales))
-        self.scale: float | Tensor = common
-        if len(scales) > 1:
-            per_block = [float(module.scaling[n]) if n in present else common for n in names]
-            self.scale = torch.tensor(per_block, dtype=ref_a.dtype, device=ref_a.device).view(-1, 1, 1)
-        self.shared: list[nn.Parameter] = []
-        for i, name in enumerate(names):
-            if name not in module.lora_A:
-                continue
-            weight_a, weight_b = module.lora_A[name].weight, module.lora_B[name].weight
-            r = weight_a.shape[0]
-            for param, view in ((weight_a, self.lora_a[i, :r]), (weight_b, self.lora_b[i, :, :r])):
-                view.copy_(param.detach())
-                if _owns_storage(param):
-                    param.data = view
-                    self.shared.append(param)
-
-    def cpu_shared_bytes(self) -> int:
-        """Bytes of the stacks when they hold shared parameters in CPU memory (else 0)."""
-        return self.lora_a.nbytes + self.lora_b.nbytes if self.shared and self.lora_a.device.type == "cpu" else 0
-
-    def release(self) -> None:
-        """The shared parameters get contiguous storage of their own again (same values)."""
-        for param in self.shared:
-            param.data = param.data.clone(memory_format=torch.contiguous_format)
-        self.shared.clear()
-
-
-def _return_freed_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    The peft parameters' own storage, freed once they are views into the stacks, is many small blocks on the
-    heap while the stacks are large (mmapped) ones: without this the freed blocks stay resident and composing k
-    experts holds their LoRA weights twice in RSS.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _owns_storage(param: Tensor) -> bool:
-    """A plain tensor that is all of its storage (not a view into a larger buffer such as FSDP's flat params)."""
-    data = param.data
-    return (type(data) is torch.Tensor and data.storage_offset() == 0 and data.is_contiguous()
-            and data.untyped_storage().nbytes() == data.numel() * data.element_size())
-
-
-def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA,
-                          background: bool = True) -> Callable[..., Tensor]:
-    """A LoRA layer's ``forward`` for the row blocks ``[background | expert 1 | … | expert k]`` (``batch_size``
-    rows each; without the background block when ``background`` is False).
-
-    The base layer runs on all rows; then the experts' rows, viewed as ``[k, B·T, d_in]`` (the row blocks are
-    contiguous), get ``s_i · x A_iᵀ B_iᵀ`` from two batched matmuls, the second accumulating into the output in
-    place. Four tensor ops per layer whatever k is: decoding is dominated by per-op overhead on small models, and
-    the background's block is skipped rather than multiplied by zeros (its share of the LoRA weights' reads).
-    Plain ``nn.Linear`` base layers without hooks are called as ``F.linear``, and a base layer whose ``forward``
-    an instance attribute replaces (:mod:`compose.packed_weights`) through it: one module call less per layer
-    and step.
-    """
-    base = module.base_layer
-    hooked = bool(base._forward_hooks or base._forward_pre_hooks)
-    own_forward = None if hooked else vars(base).get("forward")
-    plain = type(base) is nn.Linear and not hooked and own_forward is None
-    lora_a, lora_b = stacked.lora_a.transpose(1, 2), stacked.lora_b.transpose(1, 2)  # [k, d_in, r], [k, r, d_out]
-    k, cast, scale = lora_a.shape[0], lora_a.dtype, stacked.scale
-    alpha = scale if isinstance(scale, float) else 1.0
-    skip = int(background)
-    n = k + skip
-    rows = n * batch_size
-
-    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if args or kwargs:
-            result = base(x, *args, **kwargs)
-        elif plain:
-            result = F.linear(x, base.weight, base.bias)
-        else:
-            result = (own_forward or base)(x)
-        if x.shape[0] != rows:
-            raise ValueError(
-                f"grouped LoRA expects {rows} rows ({n} blocks of B={batch_size}) as the first axis of a "
-                f"LoRA layer's input, got shape {tuple(x.shape)}"
-            )
-        blocks = _expert_blocks(x, k, skip)
-        hidden = torch.bmm(blocks if blocks.dtype == cast else blocks.to(cast), lora_a)  # [k, B·T, r]
-        if not isinstance(scale, float):
-            hidden.mul_(scale)
-        if result.dtype != cast or not result.is_contiguous():
-            out_dtype, result = result.dtype, result.to(cast, memory_format=torch.contiguous_format)
-            _expert_blocks(result, k, skip).baddbmm_(hidden, lora_b, alpha=alpha)
-            return result.to(out_dtype)
-        _expert_blocks(result, k, skip).baddbmm_(hidden, lora_b, alpha=alpha)  # a view: adds into result
-        return result
-
-    return forward
-
-
-def _expert_blocks(t: Tensor, k: int, skip: int) -> Tensor:
-    """The last ``k`` of the equal row blocks of ``t [(skip+k)·B, ..., d]`` as a view ``[k, B·…, d]``: one op
-    (``as_strided`` on contiguous memory) where a reshape and a slice are two, which counts on small models."""
-    if torch.compiler.is_compiling():  # storage offsets are not traceable; the compiler fuses the views anyway
-        return t.reshape(skip + k, -1, t.shape[-1])[skip:]
-    t = t if t.is_contiguous() else t.contiguous()
-    d = t.shape[-1]
-    per_block = t.numel() // ((skip + k) * d)
-    return t.as_strided((k, per_block, d), (per_block * d, d, 1), t.storage_offset() + skip * per_block * d)
-
-
-@contextmanager
-def _grouped_lora(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[None]:
-    """The mixed-adapter batch ``[background | expert 1 | … | expert k]`` (``batch_size`` rows each), fast.
-
-    Same arithmetic as peft's ``LoraLayer._mixed_batch_forward`` (base output, plus each adapter's
-    ``B(A(x))·scaling`` on its own rows), but the rows of each component are a contiguous block, so the k
-    experts' LoRA weights of a layer are stacked once per call (:class:`_StackedLoRA`, sharing storage with
-    the peft parameters) and applied with two batched matmuls on a view (:func:`_stacked_lora_forward`),
-    instead of peft's per-step index lists, gather/scatter and a loop over adapters in every layer. Each LoRA
-    layer's ``forward`` is replaced for the duration of the context (an instance attribute, removed afterwards).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    stacks: list[_StackedLoRA | None] = []
-    freed = _FreedHeap()
-    try:
-        for m in layers:
-            stacked = _StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None
-            stacks.append(stacked)
-            freed.add(0 if stacked is None else stacked.cpu_shared_bytes())  # the parameters' old storage
-            # straight into the instance dict: nn.Module.__setattr__ costs ~10 µs a layer and call
-            vars(m)["forward"] = (m.base_layer.__call__ if stacked is None
-                                  else _stacked_lora_forward(m, batch_size, stacked))
-        freed.flush()
-        yield
-    finally:
-        _restore_layers(layers, stacks, freed)
-
-
-def _restore_layers(layers: Sequence[nn.Module], stacks: list, freed: _FreedHeap,
-                    forwards: Sequence[dict] | None = None) -> None:
-    """Give each LoRA layer its own forward and parameter storage back, layer by layer, dropping each stack once
-    its parameters own their storage again (so at most one layer's weights are held twice)."""
-    for i, m in enumerate(layers):
-        vars(m).pop("forward", None)
-        if i < len(stacks) and stacks[i] is not None:
-            nbytes = stacks[i].cpu_shared_bytes()
-            stacks[i].release()
-            stacks[i] = None
-            if forwards is not None:
-                forwards[i].clear()  # their slices of the stack
-            freed.add(nbytes)  # the stack
-    freed.flush()
-
-
-class _FreedHeap:
-    """Counts the CPU bytes the stacking frees and gives them back to the OS every 8 MiB (glibc keeps the
-    parameters' many small freed blocks resident otherwise, and k experts' LoRA weights would be held twice)."""
-
-    def __init__(self) -> None:
-        self.pending = 0
-
-    def add(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self.pending > 8 << 20:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            _return_freed_heap()
-            self.pending = 0
-
-
-def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
-    kwargs["adapter_names"] = adapter_names
-    return args, kwargs
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    """Whether ``model.forward`` takes ``name`` (cached per class: ``inspect.signature`` costs ~40 µs a step)."""
-    if "forward" in vars(model):  # an instance-level forward (e.g. accelerate's hooks): ask it directly
-        return _takes(model.forward, name)
-    return name in _forward_parameters(type(model))
-
-
-@functools.cache
-def _forward_parameters(cls: type) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
-def _takes(fn: Callable, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _vocab_sizes(model: nn.Module) -> tuple[int | None, int | None]:
     """``(config vocab size, output dimension)`` of a causal LM (None where unknown)."""
     config = getattr(model, "config", None)
@@ -1118,309 +848,3 @@ def _check_tokenizers(tokenizer, labels: list[str]):
             diff = {k: (special[k], ref_special[k]) for k in special if special[k] != ref_special[k]}
             raise ValueError(f"{label} has different special tokens than the background: {diff}")
     return tokenizer[0]
-
-
-# ---------------------------------------------------------------------- lazy gated decoding
-
-
-class _PlainSteps:
-    """Decoding steps that run every component (the ``(k+1)·B`` batch, or every model) on every new token."""
-
-    def __init__(self, lm: ComposedLM) -> None:
-        self.lm, self.caches, self.held = lm, lm._new_caches(), 0
-
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
-                 active: list[int] | None) -> Tensor:
-        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
-        new = slice(self.held, input_ids.shape[1])
-        self.held = input_ids.shape[1]
-        return self.lm._forward(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
-
-
-class _CompiledSteps:
-    """:class:`_PlainSteps` on static KV caches: the prompt's forward eager, every later step through the components'
-    compiled forwards. The attention mask is padded to the cache length (with ones: causal masking already hides
-    the positions not yet written), so every step has the same shapes and reuses one compiled graph."""
-
-    def __init__(self, lm: ComposedLM, length: int, mode: str | None) -> None:
-        modules = lm._components()
-        self.lm, self.length, self.held = lm, length, 0
-        self.caches = [StaticCache(config=m.config, max_cache_len=length) for m in modules]
-        self.forwards = [functools.partial(_compiled_forward(type(m), mode), m) for m in modules]
-
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
-                 active: list[int] | None) -> Tensor:
-        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
-        new = slice(self.held, input_ids.shape[1])
-        forwards = self.forwards if self.held else None  # the prompt (any length) runs eager
-        self.held = input_ids.shape[1]
-        mask = F.pad(attention_mask, (0, self.length - attention_mask.shape[1]), value=1)
-        # dynamo guards strides too, even of size-1 dims: a slice of the growing prefix would recompile every step
-        ids, positions = (t[:, new].clone(memory_format=torch.contiguous_format) for t in (input_ids, positions))
-        return self.lm._forward(ids, mask, positions, self.caches, True, forwards)[:, :, -1]
-
-
-@functools.cache
-def _compiled_forward(cls: type[nn.Module], mode: str | None) -> Callable[..., Any]:
-    """``torch.compile`` of a model class's ``forward`` (one graph, static shapes), called with the module first.
-    The module's parameters are graph inputs, not constants, so every module of the class (the k+1 models of the
-    separate backend, several ``ComposedLM``) shares the graphs: only a new batch size, cache length or module
-    structure compiles. Nothing here holds a module."""
-    return torch.compile(cls.forward, fullgraph=True, dynamic=False, mode=mode)
-
-
-def check_compile(value: bool | str) -> bool | str:
-    """``generate``'s ``compile`` argument, checked: a bool, ``"true"``/``"false"`` (any case, as command lines and
-    lm-eval's ``model_args`` give it), or a ``torch.compile`` mode (``torch._inductor.list_mode_options()``).
-
-    Raises:
-        TypeError: neither a bool nor a string.
-        ValueError: a string that is neither a boolean nor a mode (the message lists the modes).
-    """
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"compile must be a bool or a torch.compile mode string, got {value!r}")
-    if value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    modes = list(torch._inductor.list_mode_options())
-    if value not in modes:
-        raise ValueError(f"compile={value!r} is not a torch.compile mode; expected true, false or one of {modes}")
-    return value
-
-
-# Static KV caches (``generate(compile=...)``) hold a multiple of this many tokens, so that prompts of similar
-# lengths share one compiled graph.
-STATIC_CACHE_STEP = 128
-
-
-def _static_cache_length(tokens: int) -> int:
-    return -(-tokens // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
-
-
-# Lazy decoding (adapters backend): an expert that missed at most this many tokens joins the next step's forward,
-# with the other members rolled back to its length, instead of a catch-up prefill of its own (`_LazySteps._regroup`).
-FUSED_CATCH_UP_TOKENS = 32
-
-
-class _LazySteps:
-    """Decoding steps that run the background and only the ``active`` experts (lazy gated composition).
-
-    Each component's KV cache records how many tokens it holds (``held``); an expert skipped while its interval
-    was closed is brought up to date, when it is next active, by one forward of all the tokens it missed (its
-    catch-up prefill), with the same attention mask and position ids as the plain path, so its logits equal the
-    plain path's (up to floating-point rounding of a multi-token forward).
-
-    *separate*: one forward per active component of its missed tokens. *adapters*: the background and the
-    active experts run as one batch of row blocks over one merged cache (:func:`_lora_blocks`); when the active
-    set changes, the merged cache is split into per-component caches, the joining experts catch up (inside the
-    step's forward when they missed at most :data:`FUSED_CATCH_UP_TOKENS`, else by a prefill of their own first),
-    and the new set's caches are merged again (copies only at interval boundaries).
-    """
-
-    def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None,
-                 prefill_all: bool = False) -> None:
-        self.lm, self.select, self.prefill_all = lm, select, prefill_all
-        n = lm.num_experts + 1
-        self.held = [0] * n
-        if lm.backend == "adapters":
-            self.config = lm._base_model().config
-            self.group: tuple[int, ...] = ()
-            self.group_cache = DynamicCache(config=self.config)
-            self.parked: dict[int, DynamicCache] = {}
-        else:
-            self.models = [lm.background, *lm.experts]
-            self.caches = [DynamicCache(config=m.config) for m in self.models]
-
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, active: list[int]) -> Tensor:
-        """Logits ``[1 + len(active), B, V]`` (float32): the background's, then the active experts' in order.
-
-        With ``prefill_all``, the prompt's forward (the first call) runs every expert; only the active ones'
-        logits are returned."""
-        components = (0, *(i + 1 for i in active))
-        if self.prefill_all and self.held[0] == 0 and len(components) < len(self.held):
-            logits = self(input_ids, attention_mask, positions, list(range(len(self.held) - 1)))
-            return logits[list(components)]
-        if self.lm.backend == "adapters":
-            return self._blocks_step(components, input_ids, attention_mask, positions)
-        out = []
-        for c in components:
-            new = slice(self.held[c], input_ids.shape[1])
-            out.append(_last_logits(self.models[c], input_ids[:, new], attention_mask, positions[:, new], self.caches[c]))
-            self.held[c] = input_ids.shape[1]
-        return torch.stack(out)
-
-    def _blocks_step(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
-                     positions: Tensor) -> Tensor:
-        if components != self.group:
-            self._regroup(components, input_ids, attention_mask, positions)
-        new = slice(self.held[0], input_ids.shape[1])
-        n, batch = len(components), input_ids.shape[0]
-        self.select(components)
-        rows = (input_ids[:, new], attention_mask, positions[:, new])
-        if n > 1:
-            rows = tuple(t.repeat(n, 1) for t in rows)
-        logits = _last_logits(self.lm._base_model(), *rows, self.group_cache)
-        for c in components:
-            self.held[c] = input_ids.shape[1]
-        return logits.view(n, batch, -1)
-
-    def _regroup(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
-                 positions: Tensor) -> None:
-        """Split the merged cache, bring the new group's caches to one length, merge them.
-
-        Joining experts that missed at most :data:`FUSED_CATCH_UP_TOKENS` tokens are not caught up alone: every
-        member of the new group is rolled back to the shortest member's length (the caches ahead are cropped), so
-        the step's one forward runs them all over the missed tokens and the new one. The members ahead recompute
-        a few tokens, which costs less than a forward of its own where a step is mostly per-op overhead. Longer
-        catch-ups, and caches that cannot be cropped (sliding-window layers), run a prefill of their own first.
-        """
-        if self.group:
-            parts = _split_cache(self.group_cache, len(self.group))
-            for c, part in zip(self.group, parts, strict=True):
-                self.parked[c] = part if c in components else _cloned_cache(part)
-        length = self.held[0]
-        caches = {c: self.parked.pop(c, None) for c in components}
-        caches = {c: DynamicCache(config=self.config) if cache is None else cache for c, cache in caches.items()}
-        start = min(self.held[c] for c in components)
-        if 0 < length - start <= FUSED_CATCH_UP_TOKENS and all(map(_croppable, caches.values())):
-            for c in components:
-                if start == 0:  # an expert that has not run yet (lazy=True): every member starts from the prompt
-                    caches[c] = DynamicCache(config=self.config)
-                else:
-                    caches[c].crop(start - self.held[c])  # minus the tokens to drop (a no-op at 0)
-                self.held[c] = start
-        else:
-            for c in components:
-                if self.held[c] < length:  # one prefill of the tokens it missed (never the background)
-                    missed = slice(self.held[c], length)
-                    self.select((c,))
-                    _last_logits(self.lm._base_model(), input_ids[:, missed], attention_mask[:, :length],
-                                 positions[:, missed], caches[c])
-                    self.held[c] = length
-        self.group, self.group_cache = components, _merge_caches([caches[c] for c in components])
-
-
-def _croppable(cache: DynamicCache) -> bool:
-    """Every layer keeps all its tokens (no sliding window), so dropping the last few and recomputing them is exact."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def _last_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                 cache: DynamicCache) -> Tensor:
-    """One cached forward of ``model``; float32 logits of the last position ``[rows, V]``."""
-    kwargs: dict[str, Any] = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                use_cache=True, **kwargs)
-    return out.logits[:, -1].float()
-
-
-def _split_cache(cache: DynamicCache, parts: int) -> list[DynamicCache]:
-    """``parts`` caches holding equal consecutive row blocks of ``cache`` (views; layer state such as a sliding
-    window's token count is kept)."""
-    out = []
-    for i in range(parts):
-        part = copy.copy(cache)
-        part.layers = []
-        for layer in cache.layers:
-            piece = copy.copy(layer)
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-                piece.keys, piece.values = layer.keys.chunk(parts)[i], layer.values.chunk(parts)[i]
-            part.layers.append(piece)
-        out.append(part)
-    return out
-
-
-def _cloned_cache(cache: DynamicCache) -> DynamicCache:
-    """``cache`` with storage of its own (a parked block no longer keeps the whole merged cache alive)."""
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-    return cache
-
-
-def _merge_caches(caches: list[DynamicCache]) -> DynamicCache:
-    """One cache whose rows are the given caches' rows, block after block (all hold the same number of tokens)."""
-    if len(caches) == 1:
-        return caches[0]
-    merged = copy.copy(caches[0])
-    merged.layers = []
-    for layers in zip(*(c.layers for c in caches), strict=True):
-        layer = copy.copy(layers[0])
-        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-            layer.keys = torch.cat([x.keys for x in layers])
-            layer.values = torch.cat([x.values for x in layers])
-        merged.layers.append(layer)
-    return merged
-
-
-@contextmanager
-def _lora_blocks(model: nn.Module, names: Sequence[str], batch_size: int) -> Iterator[Callable[[tuple[int, ...]], None]]:
-    """The adapters backend's base model on a batch of row blocks chosen between forwards, for lazy decoding.
-
-    Yields ``select(blocks)``: the next forwards take ``len(blocks)·batch_size`` rows, block ``j`` run as component
-    ``blocks[j]`` (0 the background, ``i`` expert ``names[i-1]``). With plain LoRA (:func:`_grouped_lora_supported`)
-    ``select`` sets each LoRA layer's ``forward`` to :func:`_stacked_lora_forward` over the selected slices of its
-    :class:`_StackedLoRA` (built once per block tuple and kept; the base layer alone for the background alone), so
-    a decoding step pays nothing for the choice; otherwise peft's mixed batch gets the blocks' adapter names.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    current: list[tuple[int, ...] | None] = [None]
-    if not _grouped_lora_supported(model, names):
-        from peft.utils import AuxiliaryTrainingWrapper
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            kwargs["adapter_names"] = [BASE_ADAPTER if b == 0 else names[b - 1]
-                                       for b in current[0] for _ in range(batch_size)]
-            return args, kwargs
-
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
-                   if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
-        try:
-            yield lambda blocks: current.__setitem__(0, tuple(blocks))
-        finally:
-            for handle in handles:
-                handle.remove()
-        return
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    stacks: list[_StackedLoRA | None] = []
-    forwards: list[dict[tuple[int, ...], Callable[..., Tensor]]] = [{} for _ in layers]
-
-    def select(blocks: tuple[int, ...]) -> None:
-        blocks = tuple(blocks)
-        if blocks == current[0]:
-            return
-        current[0] = blocks
-        for m, stacked, known in zip(layers, stacks, forwards, strict=True):
-            fn = known.get(blocks)
-            if fn is None:
-                fn = known[blocks] = _blocks_forward(m, batch_size, stacked, blocks)
-            vars(m)["forward"] = fn
-
-    freed = _FreedHeap()  # as in `_grouped_lora`: the parameters' old storage, then the stacks, back to the OS
-    try:
-        for m in layers:
-            stacks.append(_StackedLoRA(m, names) if any(n in m.lora_A for n in names) else None)
-            freed.add(0 if stacks[-1] is None else stacks[-1].cpu_shared_bytes())
-        freed.flush()
-        select((0,))
-        yield select
-    finally:
-        _restore_layers(layers, stacks, freed, forwards)
-
-
-def _blocks_forward(module: nn.Module, batch_size: int, stacked: _StackedLoRA | None,
-                    blocks: tuple[int, ...]) -> Callable[..., Tensor]:
-    """A LoRA layer's ``forward`` for the row blocks ``blocks``: :func:`_stacked_lora_forward` over the selected
-    experts' slices of ``stacked``, or the base layer alone where no selected expert adapts this layer."""
-    if stacked is None or blocks == (0,):
-        return module.base_layer.__call__
-    experts = [b - 1 for b in blocks if b > 0]  # stack blocks; the background (0) comes first when selected
-    # consecutive experts are a view of the stacks, others a copy (kept for the whole generation)
-    index = (slice(experts[0], experts[-1] + 1) if experts == list(range(experts[0], experts[-1] + 1))
-             else experts)
-    scale = stacked.scale if isinstance(stacked.scale, float) else stacked.scale[index]
-    return _stacked_lora_forward(module, batch_size, SimpleNamespace(
-        lora_a=stacked.lora_a[index], lora_b=stacked.lora_b[index], scale=scale), background=blocks[0] == 0)

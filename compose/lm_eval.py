@@ -49,7 +49,8 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from compose.composed_lm import ComposedLM, _check_tokenizers, check_compile
+from compose.composed_lm import ComposedLM, _check_tokenizers
+from compose.decoding import check_compile
 
 MODEL_NAME = "composed"
 DEFAULT_MAX_LENGTH = 2048

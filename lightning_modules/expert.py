@@ -24,7 +24,8 @@ from transformers import PreTrainedModel
 
 from compose import ComposedLM
 from compose.common import eval_mode, model_position_ids
-from compose.composed_lm import _hidden_and_head, _inject_adapter_names
+from compose.composed_lm import _hidden_and_head
+from compose.grouped_lora import inject_adapter_names
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
@@ -450,7 +451,7 @@ def _check_loss_chunk_size(chunk: int | None, background_top_k: int | None, regu
 def _adapter_names(module: nn.Module, adapter_names: list[str]) -> Iterator[None]:
     """peft's per-row `adapter_names` passed to every LoRA layer of `module` while the context lasts (what
     `model(..., adapter_names=)` does for the length of one forward only)."""
-    hook = functools.partial(_inject_adapter_names, adapter_names=adapter_names)
+    hook = functools.partial(inject_adapter_names, adapter_names=adapter_names)
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()
                if isinstance(m, LoraLayer | AuxiliaryTrainingWrapper)]
     try:

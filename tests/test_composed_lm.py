@@ -19,7 +19,7 @@ from tiny_models import (
 from transformers import LlamaForCausalLM
 
 from compose import ComposedLM, compose_logprobs
-from compose.composed_lm import check_compile
+from compose.decoding import check_compile
 
 ARCHS = ["llama", "gpt2"]
 
@@ -271,12 +271,12 @@ def test_bad_arguments():
 def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypatch, k):
     """The adapters backend's stacked-LoRA path (one batched matmul per layer) gives what peft's own mixed batch
     and the separate backend (each adapter merged into a full copy) give, with different ranks and targets."""
-    import compose.composed_lm as clm
+    import compose.grouped_lora as gl
 
     model = mixed_lora_model(k)
     names, weights = [f"e{i}" for i in range(k)], [1.0, 0.5, -0.3][:k]
     composed = ComposedLM.from_peft(model, names, weights=weights)
-    assert clm._grouped_lora_supported(model, names)
+    assert gl.grouped_lora_supported(model, names)
     state = set(model.state_dict())
     ids = torch.randint(5, 24, (3, 9), generator=torch.Generator().manual_seed(k))
     attn = torch.ones_like(ids)
@@ -286,11 +286,11 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
     # The layers' forwards are restored and no module was added or dropped.
     assert set(model.state_dict()) == state
     assert not any("forward" in vars(m) for m in model.modules())
-    assert all(clm._owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
+    assert all(gl.owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
     separate = ComposedLM(plain_copy(model), [merged_copy(model, n) for n in names], weights=weights, names=names)
     torch.testing.assert_close(separate.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(separate.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
-    monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+    monkeypatch.setattr(gl, "grouped_lora_supported", lambda *a: False)
     torch.testing.assert_close(composed.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
@@ -299,7 +299,7 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
 def test_stacked_lora_path_on_a_bfloat16_base_with_float32_adapters(monkeypatch):
     """A bf16 base with float32 LoRA weights (peft's default autocast) takes the stacked path's cast branch: the base
     output is added to in float32 and cast back, as peft's own forward does, so both give the same scores."""
-    import compose.composed_lm as clm
+    import compose.grouped_lora as gl
 
     model = mixed_lora_model(2)
     for name, p in model.named_parameters():
@@ -309,18 +309,18 @@ def test_stacked_lora_path_on_a_bfloat16_base_with_float32_adapters(monkeypatch)
     composed = ComposedLM.from_peft(model, ["e0", "e1"], weights=[1.0, -0.5])
     ids, attn = torch.randint(5, 24, (2, 7), generator=torch.Generator().manual_seed(3)), None
     fast = composed.score(ids, attn)
-    monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+    monkeypatch.setattr(gl, "grouped_lora_supported", lambda *a: False)
     torch.testing.assert_close(fast, composed.score(ids, attn), atol=2e-2, rtol=2e-2)
 
 
 def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storage():
-    import compose.composed_lm as clm
+    import compose.grouped_lora as gl
 
     model = mixed_lora_model(3)
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj  # e0 (r 4), e1 (r 2); e2 absent
     weight_a, weight_b = q_proj.lora_A["e1"].weight, q_proj.lora_B["e1"].weight
     before = weight_a.detach().clone(), weight_b.detach().clone()
-    stacked = clm._StackedLoRA(q_proj, ["e0", "e1", "e2"])  # one block per expert, none for the background
+    stacked = gl.StackedLoRA(q_proj, ["e0", "e1", "e2"])  # one block per expert, none for the background
     assert stacked.lora_a.shape == (3, 4, 32) and stacked.lora_b.shape == (3, 32, 4)
     assert stacked.scale == 2.0  # e0 and e1 both scale by alpha / r = 2: one float for baddbmm
     torch.testing.assert_close(stacked.lora_a[1, :2], before[0], atol=0, rtol=0)
@@ -328,7 +328,7 @@ def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storag
     assert not stacked.lora_a[1, 2:].any() and not stacked.lora_b[1, :, 2:].any()
     assert not stacked.lora_a[2].any() and not stacked.lora_b[2].any()
     k_proj = model.get_base_model().model.layers[0].self_attn.k_proj  # e0 scales by 2, e2 by 1: per block
-    mixed = clm._StackedLoRA(k_proj, ["e0", "e1", "e2"])
+    mixed = gl.StackedLoRA(k_proj, ["e0", "e1", "e2"])
     assert isinstance(mixed.scale, torch.Tensor) and mixed.scale.flatten()[[0, 2]].tolist() == [2.0, 1.0]
     mixed.release()
     # The peft parameters are views into the stacks (one copy of the weights), then get their own storage back.
@@ -337,7 +337,7 @@ def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storag
 
     assert storage(weight_a) == storage(stacked.lora_a) and storage(weight_b) == storage(stacked.lora_b)
     stacked.release()
-    assert clm._owns_storage(weight_a) and clm._owns_storage(weight_b)
+    assert gl.owns_storage(weight_a) and gl.owns_storage(weight_b)
     assert torch.equal(weight_a, before[0]) and torch.equal(weight_b, before[1])
 
 

@@ -10,6 +10,8 @@ from tiny_models import PAD, VOCAB, mixed_lora_model, random_lora, tiny_peft
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import compose.composed_lm as clm
+import compose.decoding as dec
+import compose.grouped_lora as gl
 from compose import ComposedLM
 from data.tokenizer import build_char_tokenizer
 
@@ -93,17 +95,17 @@ def test_short_catch_ups_join_the_step_long_ones_run_alone(monkeypatch, lazy):
     batch = 4  # rows whose intervals open and close at different steps: experts re-join after a few tokens
     ids, mask = prompts(batch)
     plain = model.generate(ids, mask, **KW)
-    inner = clm._last_logits
+    inner = dec._last_logits
     shapes: list[tuple[int, int]] = []  # (rows, tokens) of every lazy forward
 
     def record(model_, input_ids, *args):
         shapes.append(tuple(input_ids.shape))
         return inner(model_, input_ids, *args)
 
-    monkeypatch.setattr(clm, "_last_logits", record)
+    monkeypatch.setattr(dec, "_last_logits", record)
     fused = model.generate(ids, mask, lazy=lazy, **KW)
     fused_shapes, shapes[:] = shapes[:], []
-    monkeypatch.setattr(clm, "FUSED_CATCH_UP_TOKENS", 0)
+    monkeypatch.setattr(dec, "FUSED_CATCH_UP_TOKENS", 0)
     alone = model.generate(ids, mask, lazy=lazy, **KW)
     assert torch.equal(fused, plain) and torch.equal(alone, plain)
     steps = plain.shape[1] - ids.shape[1]
@@ -148,7 +150,7 @@ def test_lazy_with_user_gates_mixed_ranks_and_peft_fallback(monkeypatch, active_
     """Per-subset slices of the stacked LoRA (ranks, scalings, targets differ), and peft's mixed batch when the
     stacked path is unsupported; LoRA layers and parameter storage are restored afterwards."""
     if not stacked:
-        monkeypatch.setattr(clm, "_grouped_lora_supported", lambda *a: False)
+        monkeypatch.setattr(gl, "grouped_lora_supported", lambda *a: False)
     model = mixed_lora_model()
     names = ["e0", "e1", "e2"]
     composed_lm = ComposedLM.from_peft(model, names, weights=[1.0, 0.5, -0.3])
@@ -161,7 +163,7 @@ def test_lazy_with_user_gates_mixed_ranks_and_peft_fallback(monkeypatch, active_
     assert torch.equal(out[0], out[1])
     assert all(2 in s for s in active_sets) and caught_up(active_sets, 3)
     assert not any("forward" in vars(m) for m in model.modules())
-    assert all(clm._owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
+    assert all(gl.owns_storage(p) for name, p in model.named_parameters() if "lora_" in name)
 
 
 def test_split_and_merge_caches_round_trip():
@@ -171,9 +173,9 @@ def test_split_and_merge_caches_round_trip():
     cache = DynamicCache(config=config)
     for layer in range(2):
         cache.update(torch.randn(6, 1, 5, 4), torch.randn(6, 1, 5, 4), layer)
-    parts = clm._split_cache(cache, 3)
+    parts = dec._split_cache(cache, 3)
     assert [p.layers[1].keys.shape[0] for p in parts] == [2, 2, 2] and parts[2].get_seq_length() == 5
-    merged = clm._merge_caches(parts)
+    merged = dec._merge_caches(parts)
     for a, b in zip(merged.layers, cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
