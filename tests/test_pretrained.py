@@ -365,3 +365,22 @@ def test_smollm2_gguf_converts_once_and_chats(tmp_path_factory):
     assert "Paris" in answer, answer
     print(f"\n[smollm2] convert {convert_s:.1f} s, cache hit {hit_s:.2f} s, reload {reload_s:.2f} s, "
           f"{n_params:,} parameters, vocab {config['vocab_size']} = len(tokenizer) {len(tok)}; answer: {answer!r}")
+
+    # benchmarks/decode.py's `smollm2-arch` (random weights, for a GPU machine the GGUF cannot be carried to) must
+    # keep these shapes: same sizes, heads, tied head and parameter count.
+    arch = LlamaForCausalLM(LlamaConfig(**_decode_benchmark().SMOLLM2_CONFIG))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(arch.config, key) == getattr(model.config, key), key
+    assert arch.config.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert sum(p.numel() for p in arch.parameters()) == n_params
+
+
+def _decode_benchmark():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
