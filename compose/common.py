@@ -100,6 +100,12 @@ def model_position_ids(model: nn.Module, input_ids: Tensor, attention_mask: Tens
 _STALE = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]+$")
 
 
+def row_blocks(t: Tensor | None, n: int) -> Tensor | None:
+    """``t`` as ``n`` row blocks ``[t; t; …]`` (``t.repeat(n, 1)``), for the adapters backend's ``(k+1)·B`` batch.
+    ``torch.cat`` is one op where ``repeat`` dispatches about eight, three times in every decoding step."""
+    return t if t is None or n == 1 else torch.cat([t] * n)
+
+
 def _sibling(path: Path, kind: str) -> Path:
     return path.parent / f".{path.name}.{kind}-{uuid.uuid4().hex[:8]}"
 

@@ -35,7 +35,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
-from compose.common import accepts, eval_mode, next_position_ids, position_restart_token
+from compose.common import accepts, eval_mode, next_position_ids, position_restart_token, row_blocks
 from compose.common import position_ids as position_ids_of
 from compose.decoding import CompiledSteps, LazySteps, PlainSteps, check_compile, static_cache_length
 from compose.export import load_export
@@ -282,9 +282,9 @@ class ComposedLM(nn.Module):
             # the row blocks reach every LoRA layer through what `_running` set up (grouped_lora.adapter_rows)
             n, b = self.num_experts + 1, input_ids.shape[0]
             out = (self._base_model() if forwards is None else forwards[0])(
-                input_ids=input_ids.repeat(n, 1),
-                attention_mask=None if attention_mask is None else attention_mask.repeat(n, 1),
-                position_ids=None if position_ids is None else position_ids.repeat(n, 1),
+                input_ids=row_blocks(input_ids, n),
+                attention_mask=row_blocks(attention_mask, n),
+                position_ids=row_blocks(position_ids, n),
                 cache=None if caches is None else caches[0],
                 **kwargs,
             )
@@ -430,8 +430,8 @@ class ComposedLM(nn.Module):
         backend, one per component for the separate one. None when a model's head cannot be run on its own."""
         if self.backend == "adapters":
             n = self.num_experts + 1
-            repeat = [None if t is None else t.repeat(n, 1) for t in (input_ids, attention_mask, position_ids)]
-            pairs = [_hidden_and_head(self._base_model(), *repeat)]
+            blocks = [row_blocks(t, n) for t in (input_ids, attention_mask, position_ids)]
+            pairs = [_hidden_and_head(self._base_model(), *blocks)]
         else:
             pairs = [_hidden_and_head(m, input_ids, attention_mask, position_ids)
                      for m in [self.background, *self.experts]]

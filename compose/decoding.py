@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticCache
 
-from compose.common import accepts
+from compose.common import accepts, row_blocks
 
 if TYPE_CHECKING:
     from compose.composed_lm import ComposedLM
@@ -160,9 +160,7 @@ class LazySteps:
         new = slice(self.held[0], input_ids.shape[1])
         n, batch = len(components), input_ids.shape[0]
         self.select(components)
-        rows = (input_ids[:, new], attention_mask, positions[:, new])
-        if n > 1:
-            rows = tuple(t.repeat(n, 1) for t in rows)
+        rows = tuple(row_blocks(t, n) for t in (input_ids[:, new], attention_mask, positions[:, new]))
         logits = _last_logits(self.lm._base_model(), *rows, self.group_cache)
         for c in components:
             self.held[c] = input_ids.shape[1]

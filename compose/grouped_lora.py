@@ -194,7 +194,10 @@ def _stacked_lora_forward(module: nn.Module, batch_size: int, stacked: StackedLo
 
 def _expert_blocks(t: Tensor, k: int, skip: int) -> Tensor:
     """The last ``k`` of the equal row blocks of ``t [(skip+k)·B, ..., d]`` as a view ``[k, B·…, d]``: one op
-    (``as_strided`` on contiguous memory) where a reshape and a slice are two, which counts on small models."""
+    (``as_strided`` on contiguous memory) where a reshape and a slice are two, which counts on small models; at B = 1
+    with T on its own axis the blocks are the first axis already, and a slice is cheaper still."""
+    if t.dim() == 3 and t.shape[0] == skip + k:
+        return t[skip:]
     if torch.compiler.is_compiling():  # storage offsets are not traceable; the compiler fuses the views anyway
         return t.reshape(skip + k, -1, t.shape[-1])[skip:]
     t = t if t.is_contiguous() else t.contiguous()

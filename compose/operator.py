@@ -39,10 +39,11 @@ def compose_logprobs(
         return lp_b.log_softmax(-1)
     log_ratio = stacked.float().log_softmax(-1).clamp_min(min_logprob) - lp_b  # [k, ..., V]
 
-    w = torch.ones(k) if weights is None else torch.as_tensor(weights, dtype=torch.float32).flatten()
-    if w.numel() != k:
-        raise ValueError(f"weights has {w.numel()} entries but there are {k} experts")
-    log_ratio = log_ratio * w.to(log_ratio.device).view(k, *([1] * (log_ratio.dim() - 1)))
+    if weights is not None:
+        w = torch.as_tensor(weights, dtype=torch.float32).flatten()
+        if w.numel() != k:
+            raise ValueError(f"weights has {w.numel()} entries but there are {k} experts")
+        log_ratio = log_ratio * w.to(log_ratio.device).view(k, *([1] * (log_ratio.dim() - 1)))
 
     if masks is not None:
         if tuple(masks.shape) != tuple(stacked.shape[:-1]):
