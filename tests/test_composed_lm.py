@@ -290,6 +290,10 @@ def test_stacked_lora_path_equals_peft_mixed_batch_and_separate_models(monkeypat
     separate = ComposedLM(plain_copy(model), [merged_copy(model, n) for n in names], weights=weights, names=names)
     torch.testing.assert_close(separate.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(separate.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
+    one = ids[1:2]  # B = 1: the experts' row blocks are a slice of the batch axis (`_expert_blocks`)
+    torch.testing.assert_close(separate.score(one), composed.score(one), atol=1e-5, rtol=1e-5)
+    assert torch.equal(separate.generate(one, max_new_tokens=6, eos_token_id=[]),
+                       composed.generate(one, max_new_tokens=6, eos_token_id=[]))
     monkeypatch.setattr(gl, "grouped_lora_supported", lambda *a: False)
     torch.testing.assert_close(composed.score(ids, attn), fast_score, atol=1e-5, rtol=1e-5)
     assert torch.equal(composed.generate(ids, attn, max_new_tokens=6, eos_token_id=[]), fast_gen)
