@@ -36,13 +36,21 @@ def adapter_rows(model: nn.Module, names: Sequence[str], batch_size: int) -> Ite
         with _grouped_lora(model, names, batch_size):
             yield
         return
+    rows = [BASE_ADAPTER] * batch_size + [name for name in names for _ in range(batch_size)]
+    with peft_adapter_names(model, rows):
+        yield
+
+
+@contextmanager
+def peft_adapter_names(module: nn.Module, adapter_names: list[str]) -> Iterator[None]:
+    """peft's per-row ``adapter_names`` passed to every LoRA layer of ``module`` while the context lasts (what
+    ``model(..., adapter_names=)`` does for the length of one forward only)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper
 
-    rows = [BASE_ADAPTER] * batch_size + [name for name in names for _ in range(batch_size)]
-    hook = functools.partial(inject_adapter_names, adapter_names=rows)
-    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in model.modules()
-               if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper))]
+    hook = functools.partial(_inject_adapter_names, adapter_names=adapter_names)
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()
+               if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
     try:
         yield
     finally:
@@ -270,8 +278,8 @@ class _FreedHeap:
             self.pending = 0
 
 
-def inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict,
-                         adapter_names: list[str]) -> tuple[tuple, dict]:
+def _inject_adapter_names(module: nn.Module, args: tuple, kwargs: dict,
+                          adapter_names: list[str]) -> tuple[tuple, dict]:
     """A forward pre-hook (``with_kwargs=True``) giving a LoRA layer peft's per-row ``adapter_names``."""
     kwargs["adapter_names"] = adapter_names
     return args, kwargs

@@ -9,7 +9,6 @@ fine-tuning each expert is its own copy and the background a frozen copy.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -25,7 +24,7 @@ from transformers import PreTrainedModel
 from compose import ComposedLM
 from compose.common import eval_mode, model_position_ids
 from compose.composed_lm import _hidden_and_head
-from compose.grouped_lora import inject_adapter_names
+from compose.grouped_lora import peft_adapter_names
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
@@ -214,7 +213,7 @@ class ExpertLM(pl.LightningModule):
         if self.hparams.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             # peft's `adapter_names=` holds only for one forward; the hooks stay for the head's own check too
-            with eval_mode(self.model), _adapter_names(self.model, adapter_names):
+            with eval_mode(self.model), peft_adapter_names(self.model, adapter_names):
                 head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
             rows = torch.arange(len(adapter_names), device=input_ids.device)
             return [(rows, _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), adapter_names), hidden)]
@@ -447,20 +446,6 @@ def _check_loss_chunk_size(chunk: int | None, background_top_k: int | None, regu
                          "loss_chunk_size=None")
 
 
-@contextmanager
-def _adapter_names(module: nn.Module, adapter_names: list[str]) -> Iterator[None]:
-    """peft's per-row `adapter_names` passed to every LoRA layer of `module` while the context lasts (what
-    `model(..., adapter_names=)` does for the length of one forward only)."""
-    hook = functools.partial(inject_adapter_names, adapter_names=adapter_names)
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()
-               if isinstance(m, LoraLayer | AuxiliaryTrainingWrapper)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[str]) -> Head:
     """`head`, with `adapter_names` passed to its output layer `module` when peft wrapped it (`lm_head` among the
     LoRA targets): each block's call, and its recomputation in backward, come after the body's forward."""
@@ -468,7 +453,7 @@ def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[
         return head
 
     def call(hidden: Tensor) -> Tensor:
-        with _adapter_names(module, adapter_names):
+        with peft_adapter_names(module, adapter_names):
             return head(hidden)
 
     return call
