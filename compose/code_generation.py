@@ -337,9 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = CodeGenSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                    stop_strings=STOP_STYLES[args.stop], chat_template=args.chat_template,
                                    compile=args.compile)
-        if settings.compile and args.packed_weights:
-            raise ValueError("--compile and --packed_weights do not combine (inductor cannot compile oneDNN-packed "
-                             "linear layers); choose one")
+        check_compile(settings.compile, args.packed_weights)
         composed = _load(args)
         with composed.packed_weights(args.batch_size) if args.packed_weights else contextlib.nullcontext():
             samples = generate_samples(composed, problems, task_ids, settings)

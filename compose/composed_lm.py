@@ -561,12 +561,9 @@ class ComposedLM(nn.Module):
         lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
-        compile = check_compile(compile)
+        compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
-        if compile and self.__dict__.get("_packed"):
-            raise ValueError("generate(compile=...) inside packed_weights(): inductor cannot compile oneDNN-packed "
-                             "linear layers; use one or the other")
         static_length = static_cache_length(prompt_len + max_new_tokens) if compile else None
         mode = compile if isinstance(compile, str) else None  # True: torch's default mode
         with self._decoding(batch, lazy, static_length, mode) as decode:

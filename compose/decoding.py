@@ -72,24 +72,30 @@ def _compiled_forward(cls: type[nn.Module], mode: str | None) -> Callable[..., A
     return torch.compile(cls.forward, fullgraph=True, dynamic=False, mode=mode)
 
 
-def check_compile(value: bool | str) -> bool | str:
+def check_compile(value: bool | str, packed_weights: bool = False) -> bool | str:
     """``generate``'s ``compile`` argument, checked: a bool, ``"true"``/``"false"`` (any case, as command lines and
-    lm-eval's ``model_args`` give it), or a ``torch.compile`` mode (``torch._inductor.list_mode_options()``).
+    lm-eval's ``model_args`` give it), or a ``torch.compile`` mode (``torch._inductor.list_mode_options()``); and not
+    together with oneDNN-packed weights (``packed_weights``: :meth:`ComposedLM.packed_weights` is or will be on).
 
     Raises:
         TypeError: neither a bool nor a string.
-        ValueError: a string that is neither a boolean nor a mode (the message lists the modes).
+        ValueError: a string that is neither a boolean nor a mode (the message lists the modes), or compiling on
+            packed weights.
     """
     if isinstance(value, bool):
-        return value
-    if not isinstance(value, str):
+        compiled: bool | str = value
+    elif not isinstance(value, str):
         raise TypeError(f"compile must be a bool or a torch.compile mode string, got {value!r}")
-    if value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    modes = list(torch._inductor.list_mode_options())
-    if value not in modes:
+    elif value.strip().lower() in ("true", "false"):
+        compiled = value.strip().lower() == "true"
+    elif value in (modes := list(torch._inductor.list_mode_options())):
+        compiled = value
+    else:
         raise ValueError(f"compile={value!r} is not a torch.compile mode; expected true, false or one of {modes}")
-    return value
+    if compiled and packed_weights:
+        raise ValueError("compile and packed_weights do not combine (inductor cannot compile oneDNN-packed linear "
+                         "layers); use one or the other")
+    return compiled
 
 
 # Static KV caches (``generate(compile=...)``) hold a multiple of this many tokens, so that prompts of similar

@@ -116,12 +116,9 @@ class ComposedLMEval(TemplateLM):
         self._max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         self.packed_weights = _flag(packed_weights, "packed_weights")
         try:
-            self.compile = check_compile(compile)
+            self.compile = check_compile(compile, self.packed_weights)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{MODEL_NAME}: {err}") from None
-        if self.compile and self.packed_weights:
-            raise ValueError(f"{MODEL_NAME}: compile and packed_weights do not combine (inductor cannot compile "
-                             "oneDNN-packed linear layers); choose one")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if composed is None:
             check_export_tokenizer(manifest)

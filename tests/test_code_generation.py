@@ -235,7 +235,7 @@ def test_cli_compile_writes_the_same_samples(world, tmp_path, capsys):
     (["--only", "zzz"], "'zzz': no such expert"),
     (["--task_ids", "Tiny/0,Nope/7"], "Nope/7"),
     (["--compile", "fast"], "compile='fast' is not a torch.compile mode"),
-    (["--compile", "--packed_weights"], "--compile and --packed_weights do not combine"),
+    (["--compile", "--packed_weights"], "compile and packed_weights do not combine"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(world, tmp_path, capsys, bad, needle):
     argv = ["--manifest", str(world.experts), "--problems", str(world.problems_file), "--out",
