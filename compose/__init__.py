@@ -1,7 +1,29 @@
-"""Everything about a composed model: the operator, the composed LM, metrics, merges, exports."""
+"""Everything about a composed model: the operator, the composed LM, metrics, merges, exports.
 
-from compose.composed_lm import ComposedLM
-from compose.export import export_composition, load_manifest
-from compose.operator import compose_logprobs
+Names are imported lazily, so ``import compose.metrics`` (or the operator) does not load transformers
+and the composed LM.
+"""
 
-__all__ = ["ComposedLM", "compose_logprobs", "export_composition", "load_manifest"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from compose.composed_lm import ComposedLM
+    from compose.export import export_composition, load_manifest
+    from compose.operator import compose_logprobs
+
+_HOMES = {
+    "ComposedLM": "compose.composed_lm",
+    "compose_logprobs": "compose.operator",
+    "export_composition": "compose.export",
+    "load_manifest": "compose.export",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'compose' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -62,7 +62,7 @@ class ComposedLM(nn.Module):
         tokenizer: the shared tokenizer, or a sequence of one tokenizer per component (background
             first), in which case all must be identical (same vocabulary and special tokens).
         specs: one dict per expert (default ``{}``), e.g. ``{"rules": ...}`` or
-            ``{"interval": {"start": "[", "end": "]"}}`` (see ``data.intervals.IntervalSpec``).
+            ``{"interval": {"start": "[", "end": "]"}}`` (see ``compose.intervals.IntervalSpec``).
         composition: ``"soft"`` (every expert acts at every step) or ``"gated"`` (:meth:`generate`
             gates each expert with an ``interval`` spec by its stopping-time detector; needs a tokenizer).
 

@@ -1,9 +1,9 @@
-"""Gated composition: each expert acts only inside its skill interval (``data.intervals``).
+"""Gated composition: each expert acts only inside its skill interval (``compose.intervals``).
 
 A gate is a callable ``gate(prefix_ids [B, t]) -> bool [B]`` that :meth:`compose.ComposedLM.generate`
 calls once per decoding step with the whole prefix (prompt + generated tokens); where it is False the
 expert's factor is 1 for the next token. :class:`IntervalGate` answers with a
-:class:`~data.intervals.StoppingTimeDetector` fed only the generated tokens it has not seen yet.
+:class:`~compose.intervals.StoppingTimeDetector` fed only the generated tokens it has not seen yet.
 :func:`interval_masks` is the teacher-forced equivalent, for ``ComposedLM.score(..., masks=...)``.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data.intervals import IntervalSpec, StoppingTimeDetector
+from compose.intervals import IntervalSpec, StoppingTimeDetector
 
 Gate = Callable[[Tensor], Tensor]
 

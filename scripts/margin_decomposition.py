@@ -32,7 +32,7 @@ QUANTILES = (0.01, 0.05, 0.5)
 
 def export_task(export: Path) -> tuple[ComposedLM, Task]:
     """An export's composed model and its task (with every expert in play), as `compose.combine` rebuilds it."""
-    from compose.combine import CombineError, check_exports, load_composed
+    from compose.frontends.combine import CombineError, check_exports, load_composed
 
     try:
         combination = check_exports([export])

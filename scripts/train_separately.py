@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any("=" not in o for o in overrides):
         parser.error(f"unrecognized arguments: {' '.join(o for o in overrides if '=' not in o)} (overrides are KEY=VALUE)")
 
-    from compose.combine import combine_exports
+    from compose.frontends.combine import combine_exports
     from lightning_modules.pipeline.config import ConfigError, load_config
 
     try:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compose import ComposedLM, code_eval, export_composition
-from compose.code_generation import (
+from compose.frontends.code_generation import (
     CHAT_STOP,
     CODEX_STOP_STRINGS,
     CodeGenSettings,

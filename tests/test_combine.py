@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from compose import ComposedLM
-from compose.combine import CombineError, check_exports, combine_exports, main
+from compose.frontends.combine import CombineError, check_exports, combine_exports, main
 from compose.export import load_export, load_manifest, write_manifest
 from lightning_modules.pipeline.config import load_config
 

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from compose import code_eval  # noqa: E402
-from compose.model_folders import compose_folders  # noqa: E402
+from compose.frontends.model_folders import compose_folders  # noqa: E402
 from scripts.gemma2_mergebench import load_config, main, mbppplus_problems  # noqa: E402
 from tests.tiny_code_models import PROBLEMS, code_tokenizer, tiny_llama, write_problems  # noqa: E402
 

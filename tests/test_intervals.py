@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from data.intervals import (
+from compose.intervals import (
     MAX_PENDING_TOKENS,
     IncrementalDetokenizer,
     IntervalSpec,

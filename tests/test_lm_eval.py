@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, processors, trainers  # noqa
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from compose import ComposedLM, export_composition  # noqa: E402
-from compose.lm_eval import ComposedLMEval, main, resolve_tasks  # noqa: E402
+from compose.frontends.lm_eval import ComposedLMEval, main, resolve_tasks  # noqa: E402
 from tests.tiny_models import needs_cpp_compiler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

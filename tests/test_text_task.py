@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from compose import ComposedLM
-from data.intervals import IntervalSpec
+from compose.intervals import IntervalSpec
 from data.tasks import Expert, TaskError, task_class
 from data.tasks.text import (
     TextConfig,

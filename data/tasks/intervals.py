@@ -6,7 +6,7 @@ of segment, given by its delimiters (``Expert.spec["interval"]``), and one *skil
 segment's content (:data:`SKILLS`): expert ``upper`` with ``[ ]`` writes ``ab[CDE]f(gh)i``, expert ``reverse``
 with ``( )`` writes ``ab[cde]f(hg)i``, both together ``ab[CDE]f(hg)i``.
 
-An expert's mask (``data.intervals.token_interval_mask`` on ``y``, one token per character) covers the
+An expert's mask (``compose.intervals.token_interval_mask`` on ``y``, one token per character) covers the
 content of its segments and their end delimiter, never the start delimiter: whether a position is in it
 is decidable from the prefix alone (a stopping time), so at each step at most one expert differs from the
 background and the composition is exact (METHOD.md §2, combined factorizability).
@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from compose.metrics import ExactMatch, FailureTypes
 from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
-from data.intervals import IntervalSpec, interval_char_spans, token_interval_mask
+from compose.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
 from data.tasks.base import EVAL_SPLITS, ROW_FEATURES, SPLITS, Expert, Task, TaskError, check_split_sizes
 from data.tokenizer import build_char_tokenizer, validate_alphabet

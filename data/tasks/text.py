@@ -3,7 +3,7 @@
 Rows come from files (JSONL/JSON/Parquet/CSV, or a hub dataset where there is network) holding either a
 `prompt` and a `response` field, or a chat `messages` list. Each expert trains on its own files
 (`experts[i].data`) and owns the text inside its interval (`experts[i].interval`, see
-`data.intervals`): e.g. `<<48/2=24>>` for a calculator, `[CAT]` for shouting. `task.general` holds rows
+`compose.intervals`): e.g. `<<48/2=24>>` for a calculator, `[CAT]` for shouting. `task.general` holds rows
 that need no skill (background training and evaluation, regularizer rows); `task.compositional` holds
 rows that need several skills at once (the composition's validation and test halves).
 
@@ -37,7 +37,7 @@ from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
 from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
-from data.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
+from compose.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from data.splits import derive_seed
 from data.tasks.base import EVAL_SPLITS, EXPERT_FEATURES, ROW_FEATURES, SPLITS, Expert, Task, TaskError
 

@@ -91,7 +91,7 @@ class BackgroundConfig:
 @dataclass
 class IntervalConfig:
     """A skill interval (METHOD.md §2): open after `start` has been read, closed once `end` has been read.
-    `regex: true` reads both as regular expressions over the decoded text (`data.intervals`)."""
+    `regex: true` reads both as regular expressions over the decoded text (`compose.intervals`)."""
 
     start: str = "???"
     end: str = "???"
