@@ -20,7 +20,7 @@ _HOMES = {
     "export_composition": "compose.export",
     "load_manifest": "compose.export",
 }
-__all__ = list(_HOMES)
+__all__ = ["ComposedLM", "compose_logprobs", "export_composition", "load_manifest"]
 
 
 def __getattr__(name: str) -> Any:

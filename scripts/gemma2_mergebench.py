@@ -159,8 +159,8 @@ def _walk(node: Any, prefix: str = ""):
 def check_config(cfg: DictConfig) -> None:
     """Values the schema cannot check: systems, formats, stop styles, composition, and that every local
     path exists (model folders, problem files, the lm-eval include path). One-line ValueError."""
-    from compose.frontends.code_generation import STOP_STYLES
     from compose.composed_lm import COMPOSITIONS
+    from compose.frontends.code_generation import STOP_STYLES
     from compose.frontends.model_folders import DTYPES, check_model_folder
 
     if cfg.dtype not in DTYPES:

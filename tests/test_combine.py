@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from compose import ComposedLM
-from compose.frontends.combine import CombineError, check_exports, combine_exports, main
 from compose.export import load_export, load_manifest, write_manifest
+from compose.frontends.combine import CombineError, check_exports, combine_exports, main
 from lightning_modules.pipeline.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

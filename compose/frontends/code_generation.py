@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from compose.frontends.code_eval import load_problems
 from compose.common import atomic_write_text
 from compose.composed_lm import ComposedLM
 from compose.decoding import check_compile
+from compose.frontends.code_eval import load_problems
 from data.generation import left_padded
 
 # The Codex paper's stop sequences (Chen et al. 2021), also lm-eval's and bigcode's HumanEval tasks.

@@ -30,10 +30,10 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from compose.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from compose.metrics import ExactMatch, FailureTypes
 from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
-from compose.intervals import IntervalSpec, interval_char_spans, token_interval_mask
 from data.splits import derive_seed, draw_excluding
 from data.tasks.base import EVAL_SPLITS, ROW_FEATURES, SPLITS, Expert, Task, TaskError, check_split_sizes
 from data.tokenizer import build_char_tokenizer, validate_alphabet

@@ -33,11 +33,11 @@ import datasets
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from compose.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
 from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
-from compose.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from data.splits import derive_seed
 from data.tasks.base import EVAL_SPLITS, EXPERT_FEATURES, ROW_FEATURES, SPLITS, Expert, Task, TaskError
 
