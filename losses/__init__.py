@@ -1,14 +1,25 @@
 """Task losses and the off-mask regularizers (METHOD.md §4). No Lightning here."""
 
-from losses.divergences import DIVERGENCE_KINDS, IGNORE_INDEX, check_divergence_args, divergence
+from losses.divergences import (
+    DIVERGENCES,
+    IGNORE_INDEX,
+    DivergenceSpec,
+    check_divergence_args,
+    divergence,
+    divergence_spec,
+    register_divergence,
+)
 from losses.regularizer import off_mask_divergence, region_positions, task_nll
 
 __all__ = [
-    "DIVERGENCE_KINDS",
+    "DIVERGENCES",
     "IGNORE_INDEX",
+    "DivergenceSpec",
     "check_divergence_args",
     "divergence",
+    "divergence_spec",
     "off_mask_divergence",
     "region_positions",
+    "register_divergence",
     "task_nll",
 ]

@@ -7,26 +7,45 @@ instead of ``4·V`` (49 k or 256 k for real vocabularies).
 
 The regularizer is then the divergence between the *bucketed* distributions: the ``k`` tokens, and the tail
 lumped into one bucket. For forward KL:
-``Σ_topk p_b (log p_b − log p_i) + r_b (log r_b − log r_i)`` with ``r = 1 − Σ_topk p``. Every divergence of
-``logprob_divergence`` but ``log_ratio`` (which weighs each tail token on its own) is an f-divergence, so by the
-data-processing inequality the bucketed value never exceeds the exact one, grows with ``k`` (a larger top-k
-refines the partition), and equals it when ``k`` covers the vocabulary.
+``Σ_topk p_b (log p_b − log p_i) + r_b (log r_b − log r_i)`` with ``r = 1 − Σ_topk p``. A divergence registered
+as ``cacheable`` (`losses.divergences.DIVERGENCES`: every built-in but ``log_ratio``, which weighs each tail token
+on its own) is an f-divergence, so by the data-processing inequality the bucketed value never exceeds the exact
+one, grows with ``k`` (a larger top-k refines the partition), and equals it when ``k`` covers the vocabulary.
 
 No Lightning here; `lightning_modules.expert.ExpertLM` keys entries by (dataset row, corruption variant).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence, Set
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from losses.divergences import check_divergence_args, logprob_divergence
+from losses.divergences import DIVERGENCES, check_divergence_args, divergence_spec, logprob_divergence
 
-CACHE_KINDS = ("forward_kl", "reverse_kl", "jsd")
-"""Divergences the cache serves (``log_ratio`` needs the background's log-prob of every token)."""
+
+class _CacheableKinds(Set[str]):
+    """The names of the registered divergences marked ``cacheable``, read from `DIVERGENCES` at each use."""
+
+    def __contains__(self, kind: object) -> bool:
+        spec = DIVERGENCES.get(kind) if isinstance(kind, str) else None
+        return spec is not None and spec.cacheable
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, spec in DIVERGENCES.items() if spec.cacheable)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"CACHE_KINDS({', '.join(self)})"
+
+
+CACHE_KINDS: Set[str] = _CacheableKinds()
+"""Divergences the cache serves: those registered ``cacheable`` (``log_ratio`` is not: it needs the background's
+log-prob of every token)."""
 
 
 @dataclass
@@ -140,9 +159,9 @@ def topk_divergence(
         float32 ``[N]``.
     """
     check_divergence_args(kind, beta, temperature)
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"divergence kind {kind!r} cannot use the background cache (it needs the background's "
-                         f"log-prob of every token); cached kinds: {', '.join(CACHE_KINDS)}")
+    if not divergence_spec(kind).cacheable:
+        raise ValueError(f"divergence kind {kind!r} cannot use the background cache (it is not registered "
+                         f"cacheable: it needs the background's log-prob of every token); cached kinds: {', '.join(CACHE_KINDS)}")
     if expert_logits.dim() != 2 or expert_logits.shape[0] != len(background) \
             or expert_logits.shape[-1] != background.vocab_size:
         raise ValueError(f"expert_logits {tuple(expert_logits.shape)} do not match the cached background's "

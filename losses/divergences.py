@@ -3,28 +3,86 @@
 Every divergence here takes logits (or log-probs) ``[..., V]`` of the expert and of the background
 and returns one float32 value per position ``[...]``. The background side is the reference and is
 treated as a constant (detached): gradients reach the expert only.
+
+Divergences live in the registry `DIVERGENCES` (name -> `DivergenceSpec`); `register_divergence` adds one,
+so a divergence of one's own is usable by name wherever a built-in one is (config, regularizer, metrics).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import Tensor
 
 IGNORE_INDEX = -100
 """Target id of a position that is not scored (prompt, padding), as in ``F.cross_entropy``."""
 
-DIVERGENCE_KINDS = ("forward_kl", "reverse_kl", "jsd", "log_ratio")
-"""Allowed values of ``kind`` in :func:`divergence`."""
-
 LOG_RATIO_FLOOR = -1e4
 """Floor on log-probs in the ``log_ratio`` penalty, the same as ``compose_logprobs``'s ``min_logprob``."""
 
+LogprobDivergence = Callable[..., Tensor]
+"""``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
+(``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it)."""
+
+
+@dataclass(frozen=True)
+class DivergenceSpec:
+    """One registered divergence.
+
+    Attributes:
+        name: its name (``expert.divergence``, ``kind=`` arguments).
+        fn: the divergence from log-probs (`LogprobDivergence`).
+        cacheable: whether it may be computed against the background cache (`losses.background_cache`): true
+            for f-divergences of the categorical distributions, whose value on the cache's bucketed
+            distributions (top-k tokens plus one tail bucket) is a lower bound that grows with k; false for a
+            divergence that needs the background's log-prob of every token (``log_ratio``).
+    """
+
+    name: str
+    fn: LogprobDivergence
+    cacheable: bool
+
+
+DIVERGENCES: dict[str, DivergenceSpec] = {}
+"""Every divergence by name, in registration order (the built-ins first)."""
+
+
+def register_divergence(name: str, *, cacheable: bool) -> Callable[[LogprobDivergence], LogprobDivergence]:
+    """Decorator: register ``fn(lp_i, lp_b, *, beta)`` (`LogprobDivergence`) as divergence ``name``.
+
+    Example::
+
+        @register_divergence("squared_hellinger", cacheable=True)
+        def squared_hellinger(lp_i, lp_b, *, beta):
+            return 1 - ((lp_i + lp_b) / 2).exp().sum(-1)
+
+    Raises ``ValueError`` if ``name`` is taken.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a divergence name must be a non-empty string, got {name!r}")
+    if name in DIVERGENCES:
+        raise ValueError(f"divergence {name!r} is already registered ({DIVERGENCES[name].fn.__qualname__})")
+
+    def register(fn: LogprobDivergence) -> LogprobDivergence:
+        DIVERGENCES[name] = DivergenceSpec(name, fn, bool(cacheable))
+        return fn
+
+    return register
+
+
+def divergence_spec(kind: str) -> DivergenceSpec:
+    """The registered divergence ``kind``; ``ValueError`` naming it and the known ones if there is none."""
+    try:
+        return DIVERGENCES[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown divergence kind {kind!r}; known kinds: {', '.join(DIVERGENCES)}") from None
+
 
 def check_divergence_args(kind: str, beta: float = 0.5, temperature: float = 1.0) -> None:
-    """Raise ``ValueError`` if ``kind``, ``beta`` or ``temperature`` is not allowed."""
-    if kind not in DIVERGENCE_KINDS:
-        raise ValueError(f"unknown divergence kind {kind!r}; allowed kinds: {', '.join(DIVERGENCE_KINDS)}")
+    """Raise ``ValueError`` if ``kind`` is not registered, or ``beta`` or ``temperature`` is not allowed."""
+    divergence_spec(kind)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1] for the generalized JSD, got {beta}")
     if not temperature > 0.0:
@@ -41,7 +99,8 @@ def divergence(
 ) -> Tensor:
     """Divergence between expert and background next-token distributions, one value per position.
 
-    With ``lp_i = log_softmax(expert_logits / T)`` and ``lp_b = log_softmax(background_logits / T)``:
+    With ``lp_i = log_softmax(expert_logits / T)`` and ``lp_b = log_softmax(background_logits / T)``, ``kind``
+    names a registered divergence (`DIVERGENCES`); the built-ins:
 
     - ``"forward_kl"``: ``KL(p_b ‖ p_i) = Σ_v p_b (lp_b − lp_i)`` (background as the reference).
     - ``"reverse_kl"``: ``KL(p_i ‖ p_b)``.
@@ -59,7 +118,7 @@ def divergence(
     Args:
         expert_logits: ``[..., V]`` logits or log-probs of the expert (gradients flow here).
         background_logits: ``[..., V]`` logits or log-probs of the background (detached).
-        kind: one of ``DIVERGENCE_KINDS``.
+        kind: a name in ``DIVERGENCES``.
         beta: weight of the background in the JSD mixture, in ``[0, 1]``.
         temperature: log-probs are computed from ``logits / temperature``.
 
@@ -82,14 +141,7 @@ def logprob_divergence(lp_i: Tensor, lp_b: Tensor, kind: str = "forward_kl", *, 
     ``lp_b`` of the background (not detached here). The categories need not be tokens: any partition of the
     vocabulary into buckets (``losses.background_cache``) gives the divergence of the bucketed distributions.
     """
-    if kind == "forward_kl":
-        return _kl(lp_b, lp_i)
-    if kind == "reverse_kl":
-        return _kl(lp_i, lp_b)
-    if kind == "jsd":
-        return _generalized_jsd(lp_i, lp_b, beta)
-    r = lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)
-    return (r - r.mean(-1, keepdim=True)).pow(2).mean(-1)
+    return divergence_spec(kind).fn(lp_i, lp_b, beta=beta)
 
 
 def _kl(lp_p: Tensor, lp_q: Tensor) -> Tensor:
@@ -99,8 +151,29 @@ def _kl(lp_p: Tensor, lp_q: Tensor) -> Tensor:
     return (p * diff).sum(-1)
 
 
-def _generalized_jsd(lp_i: Tensor, lp_b: Tensor, beta: float) -> Tensor:
+@register_divergence("forward_kl", cacheable=True)
+def forward_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``KL(p_b ‖ p_i)``."""
+    return _kl(lp_b, lp_i)
+
+
+@register_divergence("reverse_kl", cacheable=True)
+def reverse_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``KL(p_i ‖ p_b)``."""
+    return _kl(lp_i, lp_b)
+
+
+@register_divergence("jsd", cacheable=True)
+def generalized_jsd(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``β·KL(p_b ‖ m) + (1 − β)·KL(p_i ‖ m)``, ``m = β·p_b + (1 − β)·p_i``."""
     if beta == 0.0 or beta == 1.0:  # the mixture is one side: the divergence is 0 (skip 0 · inf)
         return (lp_i - lp_i.detach()).sum(-1)
     log_m = (lp_b + math.log(beta)).logaddexp(lp_i + math.log1p(-beta))
     return beta * _kl(lp_b, log_m) + (1.0 - beta) * _kl(lp_i, log_m)
+
+
+@register_divergence("log_ratio", cacheable=False)
+def log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``mean_v (r − mean_v r)²``, ``r = lp_i − lp_b`` (log-probs floored at ``LOG_RATIO_FLOOR``)."""
+    r = lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)
+    return (r - r.mean(-1, keepdim=True)).pow(2).mean(-1)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from losses.divergences import divergence
-from losses.regularizer import _check_aligned, region_positions
+from losses.regularizer import check_aligned, region_positions
 
 
 class FeatureMapError(ValueError):
@@ -139,7 +139,7 @@ def feature_divergence(
     Returns:
         0-dim float32 tensor (attached to the expert's graph).
     """
-    _check_aligned(expert_logits, targets)
+    check_aligned(expert_logits, targets)
     if masks.shape != (len(fmap.names), *targets.shape):
         raise ValueError(f"masks must be [n_features, B, T] = [{len(fmap.names)}, {', '.join(map(str, targets.shape))}]"
                          f", got {tuple(masks.shape)}")

@@ -44,7 +44,7 @@ def task_nll(
     Returns:
         0-dim float32 tensor; ``0.0`` (still attached to ``logits``' graph) when no position is scored.
     """
-    _check_aligned(logits, targets)
+    check_aligned(logits, targets)
     if on_mask_only:
         if mask is None:
             raise ValueError("task_nll(on_mask_only=True) needs a mask")
@@ -87,7 +87,7 @@ def off_mask_divergence(
     Returns:
         0-dim float32 tensor; ``0.0`` (attached to the expert's graph) when there is no such position.
     """
-    _check_aligned(expert_logits, targets)
+    check_aligned(expert_logits, targets)
     keep = region_positions(targets, mask, "off")
     if row_weight is not None:
         if row_weight.shape != targets.shape[:1]:
@@ -111,7 +111,8 @@ def off_mask_divergence(
     return per_position.sum() / keep.sum().clamp_min(1)
 
 
-def _check_aligned(logits: Tensor, targets: Tensor) -> None:
+def check_aligned(logits: Tensor, targets: Tensor) -> None:
+    """Raise ``ValueError`` unless ``logits`` is ``[B, T, V]`` aligned with ``targets [B, T]``."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(
             f"logits must be [B, T, V] aligned with targets [B, T]; got logits {tuple(logits.shape)} "
