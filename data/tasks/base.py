@@ -2,7 +2,7 @@
 
 A task owns its tokenizer, its rows and the decoding-side evaluation of a composed model. The pipeline
 (`lightning_modules/pipeline/`: stages, callbacks, ablations, report, config) only ever calls the methods
-below, so adding a task means adding one class here and registering it in `data/tasks/__init__.py`.
+below, so adding a task means writing one subclass of `Task` and registering it (`data.tasks.register_task`).
 
 Rows are `datasets.Dataset`s with these columns (the collator pads them):
 
@@ -73,6 +73,12 @@ def check_split_sizes(settings: Any, row_tokens: int, keys: Sequence[str] = ("n_
             raise TaskError(f"task.{key}={n} rows of up to {row_tokens} tokens (task.max_len={settings.max_len}) "
                             f"exceed {MAX_SPLIT_TOKENS:,} tokens per split and expert (built in memory: "
                             "data/tasks/base.py MAX_SPLIT_TOKENS); lower task.max_len or the split size")
+
+
+def check_split(split: str, allowed: Sequence[str] = SPLITS) -> None:
+    """Raise `ValueError` unless `split` is one of `allowed` (`SPLITS`, or `EVAL_SPLITS` for held-out rows)."""
+    if split not in allowed:
+        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
 
 
 @dataclass(frozen=True)

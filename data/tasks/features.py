@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import datasets
 
 from data.splits import derive_seed
-from data.tasks.base import EVAL_SPLITS, Expert, TaskError
+from data.tasks import register_task
+from data.tasks.base import EVAL_SPLITS, Expert, TaskError, check_split
 from data.tasks.letters import LettersConfig, LettersTask
 from data.tasks.letters.rules import RuleSet, sample_strings
-from data.tasks.letters.task import _check_split
 from data.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 from losses.features import FeatureMap, FeatureMapError
 
@@ -91,10 +91,10 @@ def rule_features(src: str, tgt: str) -> set[str]:
     return {f for f, changed in zip(FEATURES, (l_src != l_tgt, c_src != c_tgt), strict=True) if changed}
 
 
+@register_task("features")
 class FeaturesTask(LettersTask):
     """Letters with a case: experts own features (`letter`, `case`) through their `rules`; see the module doc."""
 
-    name = "features"
     config_class = FeaturesConfig
 
     def __init__(self, cfg: FeaturesConfig, experts: Sequence[Expert], **kwargs) -> None:
@@ -165,7 +165,7 @@ class FeaturesTask(LettersTask):
                                               must_contain=[sorted(shared)])
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         self._build_expert_splits()
         if split not in self._compositional_rows:
             xs = self._compositional[split]

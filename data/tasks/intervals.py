@@ -35,7 +35,17 @@ from compose.metrics import ExactMatch, FailureTypes
 from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, ROW_FEATURES, SPLITS, Expert, Task, TaskError, check_split_sizes
+from data.tasks import register_task
+from data.tasks.base import (
+    EVAL_SPLITS,
+    ROW_FEATURES,
+    SPLITS,
+    Expert,
+    Task,
+    TaskError,
+    check_split,
+    check_split_sizes,
+)
 from data.tokenizer import build_char_tokenizer, validate_alphabet
 from losses import IGNORE_INDEX
 
@@ -224,10 +234,10 @@ def _dataset(rows: list[dict[str, Any]], extra: Mapping[str, int]) -> datasets.D
 
 # --- the task -------------------------------------------------------------------------------------------
 
+@register_task("intervals")
 class IntervalsTask(Task):
     """Skill intervals: experts own delimiters (`experts[i].interval`) and a skill (`task.skills`)."""
 
-    name = "intervals"
     config_class = IntervalsConfig
 
     def __init__(self, cfg: IntervalsConfig, experts: Sequence[Expert], **kwargs) -> None:
@@ -345,14 +355,14 @@ class IntervalsTask(Task):
 
     def background_dataset(self, split: str) -> datasets.Dataset:
         """Copy rows (`y == x`) holding `0 .. max_segments` segments of every kind; no masks."""
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         return self._cached(("background", split), lambda: self._rows(self._background_inputs()[split], [], []))
 
     def expert_dataset(self, split: str) -> datasets.Dataset:
         """Task rows of each expert in `trained` (its skill on its own segments, its own mask) plus, for
         `train`, regularizer rows by `reg_data`: copy rows (`background`, `own+background`) or compositional
         rows with every expert's skill applied (`composition`)."""
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         trained, reg_data = self.trained, self.reg_data
         if not trained:
             raise TaskError("expert_dataset: no experts named in `trained`")
@@ -377,7 +387,7 @@ class IntervalsTask(Task):
     def compositional_dataset(self, split: str) -> datasets.Dataset:
         """Inputs holding segments of every expert (or of `compositional_min_experts` of them), in varying
         number, order and length; `y` = every skill applied; one mask per expert in play."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         return self._cached(("compositional", split),
                             lambda: self._rows(self._compositional_inputs()[split], self.kinds, self.kinds))
 
@@ -401,13 +411,13 @@ class IntervalsTask(Task):
 
     def evaluate_background(self, model: Any, split: str, batch_size: int) -> dict[str, float]:
         """`exact_match` of the copy on the background's held-out rows."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         xs = self._background_inputs()[split]
         return self._judge(model, xs, xs, [], batch_size)
 
     def evaluate_expert(self, model: Any, name: str, split: str, batch_size: int) -> dict[str, float]:
         """`exact_match` and `skill_accuracy` (its segments reproduced) on the expert's held-out task rows."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         kind = self.kinds[self._index(name)]
         xs = self._expert_inputs(self._index(name))[split]
         scores = self._judge(model, xs, [apply_skills(x, [kind]) for x in xs], [kind], batch_size)
@@ -473,11 +483,6 @@ class _LettersOnlyCollator:
 
 
 # --- validation -----------------------------------------------------------------------------------------
-
-def _check_split(split: str, allowed: Sequence[str]) -> None:
-    if split not in allowed:
-        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
-
 
 def _case_closure(alphabet: str) -> str:
     """`alphabet` followed by the single-character upper- and lowercase forms it lacks, in order."""

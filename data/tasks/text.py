@@ -39,7 +39,17 @@ from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
 from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
 from data.splits import derive_seed
-from data.tasks.base import EVAL_SPLITS, EXPERT_FEATURES, ROW_FEATURES, SPLITS, Expert, Task, TaskError
+from data.tasks import register_task
+from data.tasks.base import (
+    EVAL_SPLITS,
+    EXPERT_FEATURES,
+    ROW_FEATURES,
+    SPLITS,
+    Expert,
+    Task,
+    TaskError,
+    check_split,
+)
 
 IGNORE = -100
 TEACHER_FORCED_BATCH = 8  # rows per teacher-forced forward (k+1 components x [B, T, V] log-probs)
@@ -322,6 +332,7 @@ def skill_counts(preds: Sequence[str], refs: Sequence[str], spec: IntervalSpec) 
 
 
 # --- the task --------------------------------------------------------------------------------------
+@register_task("text")
 class TextTask(Task):
     """Experts own skill intervals (`experts[i].interval`) in the responses of text rows.
 
@@ -334,7 +345,6 @@ class TextTask(Task):
     `reg_data=composition` needs co-training on composed rows, which this task does not make.
     """
 
-    name = "text"
     config_class = TextConfig
 
     def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -502,12 +512,12 @@ class TextTask(Task):
         return Collator(self.pad, self.corruption_ids, corruption_prob)
 
     def background_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         return self._cached(("background", split),
                             lambda: rows_to_dataset([make_row(enc, [], self.eos) for enc in self.general[split]]))
 
     def expert_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         return self._cached(("experts", split), lambda: rows_to_dataset(self._expert_rows(split), expert_columns=True))
 
     def _expert_rows(self, split: str) -> list[dict[str, Any]]:
@@ -528,7 +538,7 @@ class TextTask(Task):
         return [pool[order[i % len(order)]] for i in range(n)]
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         return self._cached(("compositional", split),
                             lambda: rows_to_dataset([make_row(enc, self.specs, self.eos)
                                                      for enc in self.compositional[split]]))
@@ -552,7 +562,7 @@ class TextTask(Task):
         """Exact match (whitespace-normalized, ended with EOS) on the held-out general rows, and their
         `general_perplexity` when `model` scores (a `ComposedLM`). With `task.cross_eval`: each expert's skill
         accuracy on its held-out rows (`<expert>/skill_accuracy`) and the `compositional/*` metrics."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         rows = self.general[split]
         preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
         results = {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended)}
@@ -569,7 +579,7 @@ class TextTask(Task):
     def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
         """Exact match and `skill_accuracy` (its intervals right, by order) on the expert's held-out rows, and
         `general_perplexity` when `model` scores; with `task.cross_eval` the `compositional/*` metrics too."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         if name not in self.own:
             raise TaskError(f"expert {name!r} has no data files here: nothing to evaluate it on")
         rows = self.own[name][split]
@@ -621,7 +631,7 @@ class TextTask(Task):
         """exp(mean NLL per token) of `model`'s (composed, gated when `model.composition == "gated"`)
         teacher-forced distribution on the responses + EOS of the held-out general rows of `split`: how much a
         model that should leave general text alone costs it (compare with the background's)."""
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         key = ("general_scored", split)
         if key not in self._datasets:
             self._datasets[key] = rows_to_dataset([make_row(enc, self.specs, self.eos) for enc in self.general[split]])
@@ -704,8 +714,3 @@ def _check_row_balanced(ex: Example, spec: IntervalSpec, name: str) -> None:
 def _shuffle(items: list[int], seed: int) -> None:
     """In-place seeded shuffle, independent of every global RNG."""
     random.Random(seed).shuffle(items)
-
-
-def _check_split(split: str, allowed: Sequence[str]) -> None:
-    if split not in allowed:
-        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")

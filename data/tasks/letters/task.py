@@ -22,7 +22,8 @@ from compose.metrics import ExactMatch, FailureTypes, SkillAccuracy
 from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
 from data.splits import derive_seed, draw_excluding
-from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split_sizes
+from data.tasks import register_task
+from data.tasks.base import EVAL_SPLITS, SPLITS, Expert, Task, TaskError, check_split, check_split_sizes
 from data.tasks.letters.rules import (
     RuleSet,
     aligned_batch,
@@ -112,10 +113,10 @@ class LettersConfig:
         return 2 * length + 3 if self.format == "generative" else length + 1
 
 
+@register_task("letters")
 class LettersTask(Task):
     """Letter replacement: experts own letter rules (`experts[i].rules`)."""
 
-    name = "letters"
     config_class = LettersConfig
 
     def __init__(self, cfg: LettersConfig, experts: Sequence[Expert], **kwargs) -> None:
@@ -190,7 +191,7 @@ class LettersTask(Task):
                                                     self.rule_sets, c.compositional_min_experts)
 
     def background_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         if not self._background:
             c, seen = self.cfg, set()
             for name, n in (("train", c.n_train), ("val", c.n_val), ("test", c.n_test)):
@@ -201,7 +202,7 @@ class LettersTask(Task):
         return self._background[split]
 
     def expert_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, SPLITS)
+        check_split(split, SPLITS)
         self._build_expert_splits()
         return self._experts[split]
 
@@ -251,7 +252,7 @@ class LettersTask(Task):
         return []
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         self._build_expert_splits()
         if split not in self._compositional_rows:
             self._compositional_rows[split] = self._build(self._compositional[split], self.rule_sets,
@@ -272,12 +273,12 @@ class LettersTask(Task):
         return float(metric.compute())
 
     def evaluate_background(self, model, split: str, batch_size: int) -> dict[str, float]:
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         xs = list(self.background_dataset(split)["x"])
         return {"exact_match": self._exact_match(model, xs, [], batch_size)}
 
     def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
-        _check_split(split, EVAL_SPLITS)
+        check_split(split, EVAL_SPLITS)
         self._build_expert_splits()
         i = self.trained.index(name)
         return {"exact_match": self._exact_match(model, self._expert_inputs[split][i], [self._trained_rules[i]],
@@ -371,11 +372,6 @@ class LettersTask(Task):
                     entry["components_min"], entry["components_product"] = min(alone), math.prod(alone)
             out[str(length)] = entry
         return out
-
-
-def _check_split(split: str, allowed: Sequence[str]) -> None:
-    if split not in allowed:
-        raise ValueError(f"split must be one of {list(allowed)}, got {split!r}")
 
 
 def greedy_outputs(model, tokenizer, xs: Sequence[str], batch_size: int = 250) -> tuple[list[str], list[bool]]:
