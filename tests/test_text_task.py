@@ -18,16 +18,9 @@ from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from compose import ComposedLM
 from compose.intervals import IntervalSpec
+from data.generation import decode_until_eos, left_padded
 from data.tasks import Expert, TaskError, task_class
-from data.tasks.text import (
-    TextConfig,
-    TextTask,
-    decode_until_eos,
-    exact_match,
-    left_padded,
-    normalize_whitespace,
-    skill_counts,
-)
+from data.tasks.text import TextConfig, TextTask, exact_match, normalize_whitespace, skill_counts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "text"
 CALC = {"start": "<<", "end": ">>"}

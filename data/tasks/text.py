@@ -37,7 +37,7 @@ from compose.intervals import IntervalSpec, check_balanced, interval_char_spans,
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
-from data.generation import decode_until_eos, greedy_decode, left_padded  # noqa: F401 (re-exported)
+from data.generation import greedy_decode
 from data.splits import derive_seed
 from data.tasks import register_task
 from data.tasks.base import (
@@ -50,8 +50,8 @@ from data.tasks.base import (
     TaskError,
     check_split,
 )
+from losses import IGNORE_INDEX
 
-IGNORE = -100
 TEACHER_FORCED_BATCH = 8  # rows per teacher-forced forward (k+1 components x [B, T, V] log-probs)
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -285,7 +285,7 @@ def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: int
     p, response = len(enc.prompt_ids), enc.response_ids
     return {
         "input_ids": enc.prompt_ids + response + [eos],
-        "targets": [IGNORE] * (p - 1) + response + [eos, IGNORE],
+        "targets": [IGNORE_INDEX] * (p - 1) + response + [eos, IGNORE_INDEX],
         "masks": [response_mask(enc, spec) for spec in specs],
         "output_start": p,
         "output_len": len(response),
@@ -667,7 +667,7 @@ class TextTask(Task):
                 gates = torch.stack([masks[:, j] if j is not None and "interval" in spec else always
                                      for j, spec in zip(columns, specs, strict=True)])
             lp = compose_logprobs(lp_b, lp_e, model.weights, gates, model.min_logprob)
-            valid = targets != IGNORE
+            valid = targets != IGNORE_INDEX
             token_lp = lp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
             nll -= float(token_lp[valid].sum())
             n += int(valid.sum())
