@@ -1,7 +1,8 @@
 """Data: the generic pieces and the tasks.
 
-Framework: `collate` (padding, prefix corruption), `splits` (seeded disjoint splits), `intervals` (masks
-from interval specs, stopping-time detectors), `tokenizer` (a character tokenizer for synthetic tasks),
-`datamodule` (the one LightningDataModule, over any task). Tasks: `data/tasks/` (`letters`, `intervals`,
-`text`), each behind the `data.tasks.Task` interface.
+Generic pieces (they import neither `compose` nor `lightning_modules`): `collate` (padding, prefix corruption),
+`splits` (seeded disjoint splits), `sampler` (the resumable row order), `tokenizer` (a character tokenizer for
+synthetic tasks), `generation` (greedy decoding of prompts), `datamodule` (the one LightningDataModule, over any
+task). Tasks: `data.tasks` (`letters`, `intervals`, `features`, `text`), each a `data.tasks.Task` registered by
+name in `data.tasks.TASKS`. Nothing is imported here, so importing one piece loads no other.
 """

@@ -5,8 +5,9 @@ One token per character. The vocabulary is the five special tokens, then the alp
     <pad>=0  <bos>=1  <eos>=2  <sep>=3  <unk>=4  alphabet[0]=5  alphabet[1]=6  ...
 
 The tokenizer adds no special tokens by itself (no post-processor): sequences such as
-``<bos> x <sep> y <eos>`` are assembled by :mod:`data.letters`. It saves with ``save_pretrained`` and
-loads back with ``AutoTokenizer.from_pretrained(folder)`` offline, with identical vocabulary and behaviour.
+``<bos> x <sep> y <eos>`` are assembled by the tasks (:mod:`data.tasks.letters`). It saves with
+``save_pretrained`` and loads back with ``AutoTokenizer.from_pretrained(folder)`` offline, with identical
+vocabulary and behaviour.
 """
 
 from __future__ import annotations

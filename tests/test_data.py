@@ -4,6 +4,8 @@ and the letter task behind the task seam (rows, determinism, decoding-side evalu
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -613,3 +615,25 @@ def test_data_modules_but_one_do_not_import_lightning():
         modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.col_offset == 0]
         assert not [m for m in modules if m.startswith(("lightning", "pytorch_lightning", "data.datamodule"))], path
+
+
+GENERIC = ("collate", "datamodule", "generation", "sampler", "splits", "tokenizer")
+
+
+def test_generic_data_pieces_import_neither_compose_nor_the_lightning_modules():
+    root = Path(__file__).resolve().parents[1] / "data"
+    for name in GENERIC:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in modules if m.split(".")[0] in ("compose", "lightning_modules")], name
+
+
+def test_importing_the_generic_pieces_and_the_task_registry_loads_no_task_and_no_upper_layer():
+    code = (f"import sys, data, data.tasks, {', '.join(f'data.{m}' for m in GENERIC)}\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('compose', 'lightning_modules')\n"
+            "             or m.startswith('data.tasks.') and m != 'data.tasks.base'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
