@@ -73,11 +73,11 @@ def register_divergence(name: str, *, cacheable: bool) -> Callable[[LogprobDiver
 
 
 def divergence_spec(kind: str) -> DivergenceSpec:
-    """The registered divergence ``kind``; ``ValueError`` naming it and the known ones if there is none."""
+    """The registered divergence ``kind``; ``ValueError`` naming it and the allowed ones if there is none."""
     try:
         return DIVERGENCES[kind]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown divergence kind {kind!r}; known kinds: {', '.join(DIVERGENCES)}") from None
+        raise ValueError(f"unknown divergence kind {kind!r}; allowed kinds: {', '.join(DIVERGENCES)}") from None
 
 
 def check_divergence_args(kind: str, beta: float = 0.5, temperature: float = 1.0) -> None:

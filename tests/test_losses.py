@@ -112,7 +112,7 @@ def test_temperature_divides_logits():
 
 def test_bad_arguments_raise_clear_errors():
     e, b = _pair(7)
-    with pytest.raises(ValueError, match="unknown divergence kind .kl.; known kinds: forward_kl, reverse_kl, jsd, log_ratio"):
+    with pytest.raises(ValueError, match="unknown divergence kind .kl.; allowed kinds: forward_kl, reverse_kl, jsd, log_ratio"):
         divergence(e, b, "kl")
     with pytest.raises(ValueError, match="beta"):
         divergence(e, b, "jsd", beta=1.5)

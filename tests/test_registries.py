@@ -36,7 +36,7 @@ def _pair(seed: int = 0, shape=(5, 6), vocab: int = 9):
 @pytest.mark.parametrize("kind", ["kl", "log-ratio", "", None])
 def test_an_unknown_divergence_is_an_error_naming_it_and_the_known_ones(kind):
     e, b = _pair()
-    known = "known kinds: forward_kl, reverse_kl, jsd, log_ratio"
+    known = "allowed kinds: forward_kl, reverse_kl, jsd, log_ratio"
     for call in (lambda: divergence(e, b, kind), lambda: logprob_divergence(e.log_softmax(-1), b.log_softmax(-1), kind),
                  lambda: divergence_spec(kind)):
         with pytest.raises(ValueError, match=f"unknown divergence kind {kind!r}; {known}") as err:
