@@ -1,4 +1,4 @@
-"""The run report: terminal table, report.md content and the two PNG plots."""
+"""The run report: terminal table, report.md content with 95 % intervals, and the two PNG plots."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import json
 import pytest
 
 from lightning_modules.pipeline.report import (
+    fraction_count,
     plot_accuracy_vs_k,
     plot_divergence_heatmap,
     print_summary,
+    wilson_interval,
+    with_intervals,
     write_report,
 )
 
@@ -79,16 +82,19 @@ def test_write_report_full(tmp_path):
     # component table: every expert, the earlier export marked, the key numbers at 4 decimals
     assert "| expert A_to_B | 0.9980 | 0.0033 | 7.0712 | 7.5000 | 1.0000 |" in text
     assert "| expert C_to_D (earlier export) | - | 0.0041 | 6.5000 | 5.2500 | 0.9875 |" in text
-    assert "**composition (k=2, n=1000)**" in text and "**0.9620**" in text
+    # 962 of 1000 compositional test rows: the Wilson interval beside it
+    assert "| **composition (k=2, n=1000)** | **0.9620 [0.9483, 0.9722]** |" in text
     # composition details, including an extra scalar the stages may add
-    for s in ("NLL per token: 0.0261", "projectivity error: 0.0071", "active_set_accuracy: 0.9912",
-              "| rule_not_applied | 0.0300 |", "| A_to_B × C_to_D | 0.0664 |",
+    for s in ("exact match (95 % interval): 0.9620 [0.9483, 0.9722]", "NLL per token: 0.0261",
+              "projectivity error: 0.0071", "active_set_accuracy: 0.9912",
+              "| rule_not_applied | 0.0300 [0.0211, 0.0425] |", "| A_to_B × C_to_D | 0.0664 |",
               "composed target margin on the masks: smallest (nats): -0.5000",
               "composed target margin off the masks: fraction below 2 nats: 0.0031"):
         assert s in text, s
-    # baselines: Δ = 0.93 - 0.962
-    assert "| task arithmetic | 0.9300 | -0.0320 | 1.2345 |" in text
-    assert "| ties | 0.5000 | -0.4620 | - |" in text
+    # baselines (on the same 1000 test rows): Δ = 0.93 - 0.962, and intervals that do not overlap
+    assert "| composition (ours) | 0.9620 [0.9483, 0.9722] | 0.0000 | - |" in text
+    assert "| task arithmetic | 0.9300 [0.9125, 0.9442] | -0.0320 | 1.2345 |" in text
+    assert "| ties | 0.5000 [0.4691, 0.5309] | -0.4620 | - |" in text
     assert "Task arithmetic merges" in text
     assert "Notes from the task" not in text  # the task had none
     # ablations: k columns sorted numerically, missing cell shown as "-"
@@ -153,7 +159,7 @@ def test_print_summary(capsys):
     assert "| component | exact match | off-mask KL | on-mask KL | max off-mask log-ratio | skill accuracy |" in lines
     assert "| background | 1.0000 | - | - | - | - |" in lines
     assert "| expert A_to_B | 0.9980 | 0.0033 | 7.0712 | 7.5000 | 1.0000 |" in lines
-    assert any(line.startswith("| **composition (k=2, n=1000)** | **0.9620** |") for line in lines)
+    assert any(line.startswith("| **composition (k=2, n=1000)** | **0.9620 [0.9483, 0.9722]** |") for line in lines)
     assert lines[-1] == "report: runs/letters/20260101-000000/report.md"
 
 
@@ -192,3 +198,57 @@ def test_divergence_heatmap_labels_positions_with_the_runs_tokens(tmp_path):
     with pytest.raises(ValueError, match=r"divergence_map\['divergence'\]\[0\]\[1\] has 6 positions, expected 3 target tokens"):
         plot_divergence_heatmap(_token_map([4, 6]), tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+@pytest.mark.parametrize(("successes", "n", "expected"), [
+    (0, 10, (0.0, 0.2775)),        # the interval of a zero count is not empty
+    (10, 10, (0.7225, 1.0)),
+    (5, 10, (0.2366, 0.7634)),
+    (81, 263, (0.2553, 0.3662)),   # as statsmodels' proportion_confint(81, 263, method="wilson")
+    (962, 1000, (0.9483, 0.9722)),
+    (1, 1, (0.2065, 1.0)),
+])
+def test_wilson_interval_known_values(successes, n, expected):
+    lo, hi = wilson_interval(successes, n)
+    assert (lo, hi) == pytest.approx(expected, abs=5e-5)
+    # a wider z widens it, more trials narrow it, and it mirrors for the complement
+    lo99, hi99 = wilson_interval(successes, n, z=2.576)
+    assert lo99 <= lo and hi99 >= hi and (lo99, hi99) != (lo, hi)
+    assert wilson_interval(n - successes, n) == pytest.approx((1 - hi, 1 - lo))
+    lo4, hi4 = wilson_interval(4 * successes, 4 * n)
+    assert hi4 - lo4 < hi - lo
+
+
+def test_wilson_interval_bad_counts():
+    for successes, n in ((1, 0), (-1, 5), (6, 5)):
+        with pytest.raises(ValueError, match="wilson_interval needs 0 <= successes <= n"):
+            wilson_interval(successes, n)
+
+
+def test_report_shows_intervals_where_the_summary_counts_the_rows(tmp_path):
+    """A component's `n_test` counts its exact match, `<key>_n` any other fraction; without a count, no interval."""
+    summary = _summary()
+    summary["background"] = {"exact_match": 0.75, "n_test": 200}
+    summary["experts"]["A_to_B"] |= {"n_test": 500, "skill_accuracy_n": 400}
+    summary["composition"]["gated"] = {"exact_match": 0.5}
+    text = write_report(summary, tmp_path).read_text()
+    assert "| background | 0.7500 [0.6857, 0.8049] | - | - | - | - |" in text
+    assert "| expert A_to_B | 0.9980 [0.9888, 0.9996] | 0.0033 | 7.0712 | 7.5000 | 1.0000 [0.9905, 1.0000] |" in text
+    assert "| expert C_to_D (earlier export) | - | 0.0041 | 6.5000 | 5.2500 | 0.9875 |" in text  # no count
+    assert "| composition, gated (k=2) | 0.5000 [0.4691, 0.5309] |" in text  # the composition's test rows
+    assert fraction_count({"exact_match": 0.5}, "exact_match") is None
+    assert fraction_count({"exact_match": 0.5, "n_test": 8}, "exact_match") == 8
+    assert fraction_count({"skill_accuracy": 0.5, "n_test": 8}, "skill_accuracy") is None
+
+
+def test_summary_intervals_beside_each_counted_fraction():
+    summary = _summary()
+    summary["experts"]["A_to_B"]["skill_accuracy_n"] = 400
+    out = with_intervals(summary)
+    assert "exact_match_ci95" not in summary["composition"]  # the summary itself is left alone
+    assert out["composition"]["exact_match_ci95"] == pytest.approx([0.9483, 0.9722], abs=5e-5)
+    assert out["composition"]["failures"]["correct_ci95"] == pytest.approx(list(wilson_interval(950, 1000)))
+    assert out["baselines"]["ties"]["exact_match_ci95"] == pytest.approx([0.4691, 0.5309], abs=5e-5)
+    assert out["experts"]["A_to_B"]["skill_accuracy_ci95"] == pytest.approx(list(wilson_interval(400, 400)))
+    assert "exact_match_ci95" not in out["experts"]["A_to_B"] and "nll_ci95" not in out["composition"]
+    assert "exact_match_ci95" not in out["ablations"]["plain"]["k"]["2"]  # an ablation records no count

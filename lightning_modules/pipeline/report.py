@@ -11,12 +11,13 @@ matplotlib is imported lazily inside the plotting functions (Agg backend), so im
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from compose.common import atomic_file, atomic_write_text
+from compose.atomic import atomic_file, atomic_write_text
 
 COMPONENT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("exact_match", "exact match"),
@@ -32,6 +33,69 @@ LENGTH_PLOT = "accuracy_vs_length.png"
 DIVERGENCE_MAP = "divergence_map.json"
 _KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
                            "notes", "gated", "features"}
+
+
+# ----------------------------------------------------------------------------------------------- intervals
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial fraction `successes / n` (z = 1.96: 95 %).
+
+    Unlike the normal approximation p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and is not empty at p = 0 or 1:
+    centre (p + z²/2n) / (1 + z²/n), half-width z·sqrt(p(1-p)/n + z²/4n²) / (1 + z²/n).
+
+    Raises:
+        ValueError: `n` < 1 or `successes` outside [0, n].
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    # at p = 0 (1) the lower (upper) end is exactly 0 (1); rounding would leave a few 1e-17 there
+    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
+
+
+def fraction_count(entry: dict, key: str, rows: int | None = None) -> int | None:
+    """How many trials the fraction `entry[key]` counts: `entry["<key>_n"]` when the summary records it, else for
+    an exact match `rows` (the rows it was measured on, when the caller knows them) or the entry's `n_test`;
+    None when the summary does not say."""
+    count = entry.get(f"{key}_n")
+    if count is None and key == "exact_match":
+        count = rows if rows is not None else entry.get("n_test")
+    return int(count) if isinstance(count, (int, float)) and not isinstance(count, bool) and count >= 1 else None
+
+
+def fraction_interval(value, n: int | None, z: float = 1.96) -> tuple[float, float] | None:
+    """The Wilson interval of a fraction `value` measured on `n` trials (successes `round(value * n)`); None when
+    `n` is unknown or `value` is not a fraction."""
+    if n is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        return None
+    return wilson_interval(round(value * n), n, z)
+
+
+def with_intervals(summary: dict) -> dict:
+    """A copy of `summary` with `<key>_ci95: [lo, hi]` beside every fraction whose count it records (see
+    `fraction_count`): each component's and merge's exact match, the composition's failure types, the
+    ablations' exact match, and any `<key>` that has a `<key>_n`."""
+    out = copy.deepcopy(summary)
+    composition = out.get("composition") or {}
+    rows = composition.get("n_test")
+    entries = [(out.get("background") or {}, None), *((e or {}, None) for e in (out.get("experts") or {}).values()),
+               (composition, rows), (composition.get("gated") or {}, rows),
+               *((b or {}, rows) for b in (out.get("baselines") or {}).values()),
+               *((e or {}, None) for v in (out.get("ablations") or {}).values() for e in ((v or {}).get("k") or {}).values())]
+    for entry, n in entries:
+        for key in [k for k in entry if not k.endswith(("_n", "_ci95"))]:
+            ci = fraction_interval(entry[key], fraction_count(entry, key, n))
+            if ci is not None:
+                entry[f"{key}_ci95"] = [round(ci[0], 6), round(ci[1], 6)]
+    failures = composition.get("failures") or {}
+    for key in list(failures):
+        ci = fraction_interval(failures[key], rows)
+        if ci is not None:
+            failures[f"{key}_ci95"] = [round(ci[0], 6), round(ci[1], 6)]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- formatting
@@ -50,6 +114,12 @@ def _fmt(v, digits: int = 4) -> str:
             return f"{v:.2e}"
         return f"{v:.{digits}f}"
     return str(v)
+
+
+def _rate(value, n: int | None, digits: int = 4) -> str:
+    """A fraction's cell: the value, and its 95 % Wilson interval when `n` (its trials) is known."""
+    ci = fraction_interval(value, n)
+    return _fmt(value, digits) if ci is None else f"{_fmt(value, digits)} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -81,20 +151,28 @@ def _component_rows(summary: dict) -> list[list[str]]:
     """Rows of the component table: background, each expert, the composition."""
     rows = []
     background = summary.get("background") or {}
-    rows.append(["background"] + [_fmt(background.get(k)) for k, _ in COMPONENT_COLUMNS])
+    rows.append(["background", *_component_cells(background)])
     for name, e in (summary.get("experts") or {}).items():
         label = f"expert {name}"
         if e.get("trained_in") == "compose_with":
             label += " (earlier export)"
-        rows.append([label] + [_fmt(e.get(k)) for k, _ in COMPONENT_COLUMNS])
+        rows.append([label, *_component_cells(e)])
     if "composition" in summary:
         c = summary["composition"]
         label = f"**composition (k={c.get('k', '?')}, n={c.get('n_test', '?')})**"
-        rows.append([label, f"**{_fmt(c.get('exact_match'))}**"] + ["-"] * (len(COMPONENT_COLUMNS) - 1))
-        if "gated" in c:  # experts gated by their intervals' stopping-time detectors
-            rows.append([f"composition, gated (k={c.get('k', '?')})", _fmt(c["gated"].get("exact_match"))]
+        rows.append([label, f"**{_rate(c.get('exact_match'), fraction_count(c, 'exact_match'))}**"]
+                    + ["-"] * (len(COMPONENT_COLUMNS) - 1))
+        if "gated" in c:  # experts gated by their intervals' stopping-time detectors (on the same test rows)
+            gated = c["gated"]
+            rows.append([f"composition, gated (k={c.get('k', '?')})",
+                         _rate(gated.get("exact_match"), fraction_count(gated, "exact_match", c.get("n_test")))]
                         + ["-"] * (len(COMPONENT_COLUMNS) - 1))
     return rows
+
+
+def _component_cells(entry: dict) -> list[str]:
+    """One component's cells of `COMPONENT_COLUMNS`, fractions with their 95 % interval where the count is known."""
+    return [_rate(entry.get(k), fraction_count(entry, k)) for k, _ in COMPONENT_COLUMNS]
 
 
 def _component_header() -> list[str]:
@@ -302,41 +380,21 @@ def plot_divergence_heatmap(divergence_map: dict, path: str | Path, max_experts:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.patches import Rectangle
 
-    values = np.array([v for row in div for per_input in row for v in per_input], dtype=float)
-    finite = values[np.isfinite(values)]
-    vmax = float(finite.max()) if finite.size else 1.0
-    positive = finite[finite > 0]
-    vmin = max(float(positive.min()) if positive.size else 1e-6, vmax * 1e-6, 1e-8)
-    if vmax <= vmin:
-        vmax = vmin * 10.0
-    norm = LogNorm(vmin=vmin, vmax=vmax, clip=True)
-
+    norm = _log_norm(div)
     n_e, n_i = len(experts), len(inputs)
-    max_len = max(len(t) for t in labels)
-    panel_w = max(2.6, 0.32 * max_len)
+    panel_w = max(2.6, 0.32 * max(len(t) for t in labels))
     fig, axes = plt.subplots(n_e, n_i, figsize=(panel_w * n_i + 1.6, 0.95 * n_e + 1.3), squeeze=False,
                              layout="constrained")
     image = None
     for e in range(n_e):
         for n in range(n_i):
-            ax = axes[e][n]
-            row = np.nan_to_num(np.asarray(div[e][n], dtype=float), nan=vmin, posinf=vmax, neginf=vmin)
-            image = ax.imshow(np.clip(row, vmin, vmax)[None, :], aspect="auto", cmap="magma", norm=norm)
-            for start, length in _runs(masks[e][n]):
-                ax.add_patch(Rectangle((start - 0.5, -0.5), length, 1.0, fill=False, edgecolor="#00e5ff",
-                                       linewidth=2.2))
-            ax.set_xticks(range(len(labels[n])), labels[n], fontsize=7)
-            ax.set_xlim(-0.5, len(labels[n]) - 0.5)
-            ax.set_yticks([])
+            image = _heatmap_panel(axes[e][n], div[e][n], masks[e][n], labels[n], norm)
             if n == 0:
-                ax.set_ylabel(str(experts[e]), rotation=0, ha="right", va="center", fontsize=9)
+                axes[e][n].set_ylabel(str(experts[e]), rotation=0, ha="right", va="center", fontsize=9)
             if e == 0:
                 x = str(inputs[n])
-                ax.set_title(f"x = {x if len(x) <= 28 else x[:25] + '...'}", fontsize=8)
+                axes[e][n].set_title(f"x = {x if len(x) <= 28 else x[:25] + '...'}", fontsize=8)
     cbar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.9, pad=0.01)
     cbar.set_label("KL(p_b || p_i)  (log scale)")
     fig.suptitle("Per-position divergence of each expert from the background (cyan boxes: the expert's mask)",
@@ -347,6 +405,37 @@ def plot_divergence_heatmap(divergence_map: dict, path: str | Path, max_experts:
         fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
+
+
+def _log_norm(div: list):
+    """A log colour scale over every finite divergence of `div` (`[expert][input][position]`), spanning at most
+    six decades below the largest."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    values = np.array([v for row in div for per_input in row for v in per_input], dtype=float)
+    finite = values[np.isfinite(values)]
+    vmax = float(finite.max()) if finite.size else 1.0
+    positive = finite[finite > 0]
+    vmin = max(float(positive.min()) if positive.size else 1e-6, vmax * 1e-6, 1e-8)
+    if vmax <= vmin:
+        vmax = vmin * 10.0
+    return LogNorm(vmin=vmin, vmax=vmax, clip=True)
+
+
+def _heatmap_panel(ax, divergence: Sequence[float], mask: Sequence, labels: Sequence[str], norm):
+    """One panel: the positions' divergences as a one-row heatmap, each run of the mask boxed; returns the image."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    row = np.nan_to_num(np.asarray(divergence, dtype=float), nan=norm.vmin, posinf=norm.vmax, neginf=norm.vmin)
+    image = ax.imshow(np.clip(row, norm.vmin, norm.vmax)[None, :], aspect="auto", cmap="magma", norm=norm)
+    for start, length in _runs(mask):
+        ax.add_patch(Rectangle((start - 0.5, -0.5), length, 1.0, fill=False, edgecolor="#00e5ff", linewidth=2.2))
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_yticks([])
+    return image
 
 
 # ----------------------------------------------------------------------------------------------- report.md
@@ -365,17 +454,19 @@ def _margin_label(key: str) -> str:
 
 def _composition_section(c: dict) -> list[str]:
     lines = ["## Composition", ""]
+    n = c.get("n_test")
     facts = [("compositional test inputs (n_test)", c.get("n_test")), ("experts composed (k)", c.get("k")),
-             ("exact match", c.get("exact_match")), ("NLL per token", c.get("nll")),
+             ("exact match (95 % interval)", c.get("exact_match")), ("NLL per token", c.get("nll")),
              ("projectivity error", c.get("projectivity_error"))]
     facts += [(_margin_label(k), v) for k, v in c.items()
               if k not in _KNOWN_COMPOSITION_KEYS and isinstance(v, (int, float))]
-    lines += [f"- {name}: {_fmt(v)}" for name, v in facts if v is not None]
+    lines += [f"- {name}: {_rate(v, fraction_count(c, 'exact_match')) if name.startswith('exact') else _fmt(v)}"
+              for name, v in facts if v is not None]
     lines.append("")
     failures = c.get("failures") or {}
     if failures:
-        lines += ["### Failure types (fraction of compositional test inputs)", ""]
-        lines += _table(["type", "fraction"], [[k, _fmt(failures[k])] for k in _failure_keys(failures)])
+        lines += ["### Failure types (fraction of compositional test inputs, 95 % interval)", ""]
+        lines += _table(["type", "fraction"], [[k, _rate(failures[k], n)] for k in _failure_keys(failures)])
         lines.append("")
     overlap = c.get("overlap") or {}
     if overlap:
@@ -389,8 +480,9 @@ def _composition_section(c: dict) -> list[str]:
     return lines
 
 
-def _features_section(features: dict) -> list[str]:
-    """The feature-space table (`compose.features.feature_metrics` and the task's per-feature exact match)."""
+def _features_section(features: dict, n: int | None = None) -> list[str]:
+    """The feature-space table (`compose.features.feature_metrics` and the task's per-feature exact match on the
+    `n` compositional test rows)."""
     names = [k.removesuffix("/projectivity_error") for k in features if k.endswith("/projectivity_error")]
     experts = list(dict.fromkeys(k.split("/")[0] for k in features
                                  if k.count("/") == 1 and k.endswith("_kl") and not k.startswith("factorization_gap")))
@@ -403,8 +495,8 @@ def _features_section(features: dict) -> list[str]:
              "next-token distribution is from the product of its feature marginals, KL(p ‖ Π_j p^j) (0 for a "
              "factored head).", ""]
     lines += _table(["feature", "composed exact match on it", "projectivity error"],
-                    [[n, _fmt(features.get(f"{n}/exact_match")), _fmt(features.get(f"{n}/projectivity_error"))]
-                     for n in names])
+                    [[f, _rate(features.get(f"{f}/exact_match"), n), _fmt(features.get(f"{f}/projectivity_error"))]
+                     for f in names])
     lines.append("")
     components = [k.split("/", 1)[1] for k in features if k.startswith("factorization_gap/")]
     rows = [[c, _fmt(features.get(f"factorization_gap/{c}"))]
@@ -415,7 +507,8 @@ def _features_section(features: dict) -> list[str]:
 
 def _baselines_section(summary: dict) -> list[str]:
     baselines = summary.get("baselines") or {}
-    composed = (summary.get("composition") or {}).get("exact_match")
+    composition = summary.get("composition") or {}
+    composed, n = composition.get("exact_match"), composition.get("n_test")
     lines = ["## Baselines: parameter-space merges", "",
              "Task arithmetic merges the experts into one set of weights (θ_b + Σ (θ_i − θ_b)); TIES and DARE do "
              "the same after trimming/sign-resolving or randomly dropping and rescaling the deltas. The composition "
@@ -426,12 +519,13 @@ def _baselines_section(summary: dict) -> list[str]:
              "composed model's log-probabilities on the test outputs.", ""]
     rows = []
     if composed is not None:
-        rows.append(["composition (ours)", _fmt(composed), _fmt(0.0), "-"])
+        rows.append(["composition (ours)", _rate(composed, fraction_count(composition, "exact_match")), _fmt(0.0), "-"])
     for method, b in baselines.items():
         em = (b or {}).get("exact_match")
         delta = em - composed if em is not None and composed is not None else None
-        rows.append([method.replace("_", " "), _fmt(em), _fmt(delta), _fmt((b or {}).get("max_logprob_gap_vs_composed"))])
-    lines += _table(["method", "exact match", "Δ vs composition", "max log-prob gap"], rows)
+        rows.append([method.replace("_", " "), _rate(em, fraction_count(b or {}, "exact_match", n)), _fmt(delta),
+                     _fmt((b or {}).get("max_logprob_gap_vs_composed"))])
+    lines += _table(["method", "exact match (95 % interval)", "Δ vs composition", "max log-prob gap"], rows)
     return lines + [""]
 
 
@@ -444,7 +538,8 @@ def _ablations_section(ablations: dict) -> list[str]:
         desc = (v or {}).get("description") or ""
         overrides = " ".join(f"`{o}`" for o in (v or {}).get("overrides") or [])
         rows.append([f"**{variant}**", desc, overrides or "-"]
-                    + [_fmt((per_k.get(k) or {}).get("exact_match")) for k in ks])
+                    + [_rate((per_k.get(k) or {}).get("exact_match"), fraction_count(per_k.get(k) or {}, "exact_match"))
+                       for k in ks])
     lines += _table(["variant", "description", "overrides"] + [f"k={k}" for k in ks], rows)
     lines += ["", "### Factorizability and failure types per variant and k", ""]
     all_failures = [(e or {}).get("failures") or {} for v in ablations.values()
@@ -467,11 +562,14 @@ def _length_section(length: dict) -> list[str]:
     minimum of the experts' accuracies at that length (what it inherits if each component keeps its behaviour)."""
     lengths, series = _length_series(length)
     n = next(iter(length.values())).get("n")
+    widest = fraction_interval(0.5, n if isinstance(n, int) else None)
+    spread = (f"; on {n} inputs a fraction's 95 % Wilson interval is at most ±{(widest[1] - widest[0]) / 2:.2f}"
+              if widest else "")
     lines = ["## Length generalization", "",
              f"Exact match at each input length ({n} inputs per length and model, greedy decoding; * = a training "
              "length): the background on copying, each expert alone on its own rows, the composition on rows "
              "needing every expert. `min` is the lowest expert accuracy at that length, `product` their product; "
-             "`comp − min` is what the composition gains (+) or loses (−) against its weakest component.", ""]
+             f"`comp − min` is what the composition gains (+) or loses (−) against its weakest component{spread}.", ""]
     experts = [name for name in series if name not in ("background", "composition")]
     header = ["length", "background", *experts]
     if "composition" in series:
@@ -506,6 +604,8 @@ def _reproduce_section(summary: dict) -> list[str]:
 def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None = None) -> Path:
     """Write `out_dir/report.md` (and its PNG plots) from a run summary.
 
+    Every fraction whose count the summary records (see `fraction_count`) is shown with its 95 % Wilson interval.
+
     Args:
         summary: the run summary (as in `summary.json`); every section but `background` may be missing.
         out_dir: the run's output folder; the report and plots are written there.
@@ -521,7 +621,27 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
         divergence_map = json.loads((out_dir / DIVERGENCE_MAP).read_text())
     for stale in (ACCURACY_PLOT, HEATMAP_PLOT, LENGTH_PLOT):
         (out_dir / stale).unlink(missing_ok=True)
+    lines = _head_section(summary)
+    if "composition" in summary:
+        lines += _composition_section(summary["composition"])
+        if summary["composition"].get("features"):
+            lines += _features_section(summary["composition"]["features"], summary["composition"].get("n_test"))
+    if summary.get("baselines"):
+        lines += _baselines_section(summary)
+    lines += _plotted_sections(summary, out_dir, divergence_map)
+    timing = summary.get("timing") or {}
+    if timing:
+        lines += ["## Timing", ""]
+        lines += _table(["stage", "seconds"], [[k.removesuffix("_s"), _fmt(v, 1)] for k, v in timing.items()])
+        lines.append("")
+    lines += _reproduce_section(summary)
+    path = out_dir / "report.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path
 
+
+def _head_section(summary: dict) -> list[str]:
+    """The title, where the run and its export are, and the component table."""
     title = f"# Run report: {summary.get('experiment', 'run')}"
     if "seed" in summary:
         title += f" (seed {summary['seed']})"
@@ -532,16 +652,15 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
         lines.append(f"- export for composition: `{summary['export']}`")
     lines += ["", "## Components", "",
               "Exact match of each component on its own held-out test data (the background on copying, each expert "
-              "alone on its rule, the composition on the compositional test set); divergences from the background "
+              "alone on its rule, the composition on the compositional test set), with its 95 % Wilson interval "
+              "[low, high] where the summary records how many rows it counts; divergences from the background "
               "measured on the compositional test set.", ""]
-    lines += _table(_component_header(), _component_rows(summary)) + [""]
+    return lines + _table(_component_header(), _component_rows(summary)) + [""]
 
-    if "composition" in summary:
-        lines += _composition_section(summary["composition"])
-        if summary["composition"].get("features"):
-            lines += _features_section(summary["composition"]["features"])
-    if summary.get("baselines"):
-        lines += _baselines_section(summary)
+
+def _plotted_sections(summary: dict, out_dir: Path, divergence_map: dict | None) -> list[str]:
+    """The ablation and length sections with their plots, and the divergence heatmap (each when there is data)."""
+    lines: list[str] = []
     if summary.get("ablations"):
         lines += _ablations_section(summary["ablations"])
         if plot_accuracy_vs_k(summary, out_dir / ACCURACY_PLOT) is not None:
@@ -556,13 +675,4 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
                   "compositional test inputs (log colour scale); boxes outline the expert's mask, where it may act. "
                   "A composable expert is dark outside its boxes.", "",
                   f"![per-position divergence]({HEATMAP_PLOT})", ""]
-    timing = summary.get("timing") or {}
-    if timing:
-        lines += ["## Timing", ""]
-        lines += _table(["stage", "seconds"], [[k.removesuffix("_s"), _fmt(v, 1)] for k, v in timing.items()])
-        lines.append("")
-    lines += _reproduce_section(summary)
-
-    path = out_dir / "report.md"
-    atomic_write_text(path, "\n".join(lines))
-    return path
+    return lines
