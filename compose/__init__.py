@@ -11,16 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from compose.composed_lm import ComposedLM
-    from compose.export import export_composition, load_manifest
+    from compose.export import Manifest, export_composition, load_manifest
     from compose.operator import compose_logprobs
 
 _HOMES = {
     "ComposedLM": "compose.composed_lm",
     "compose_logprobs": "compose.operator",
     "export_composition": "compose.export",
+    "Manifest": "compose.export",
     "load_manifest": "compose.export",
 }
-__all__ = ["ComposedLM", "compose_logprobs", "export_composition", "load_manifest"]
+__all__ = ["ComposedLM", "Manifest", "compose_logprobs", "export_composition", "load_manifest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,12 +36,15 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
-from compose.common import accepts, eval_mode, next_position_ids, position_restart_token, row_blocks
-from compose.common import position_ids as position_ids_of
 from compose.decoding import CompiledSteps, LazySteps, PlainSteps, check_compile, static_cache_length
 from compose.export import load_export
-from compose.grouped_lora import BASE_ADAPTER, adapter_rows, lora_blocks
+from compose.grouped_lora import BASE_ADAPTER, adapter_rows, lora_blocks, row_blocks
+from compose.heads import hidden_and_head
+from compose.modules import accepts, eval_mode
 from compose.operator import compose_logprobs
+from compose.positions import next_position_ids, position_restart_token
+from compose.positions import position_ids as position_ids_of
+from compose.vocab import check_same_vocab, check_tokenizers, vocab_sizes
 
 COMPOSITIONS = ("soft", "gated")
 Gate = Callable[[Tensor], Any]
@@ -92,8 +96,8 @@ class ComposedLM(nn.Module):
         components = [("background", background)] + [
             (f"expert {n!r}", m) for n, m in zip(names, experts, strict=True)
         ]
-        _check_same_vocab(components)
-        self.tokenizer = _check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
+        check_same_vocab(components)
+        self.tokenizer = check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
         self.backend = "separate"
         self.background = background
         self.experts = nn.ModuleList(experts)
@@ -135,7 +139,7 @@ class ComposedLM(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(names, weights, min_logprob, specs, composition)
-        self.tokenizer = _check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
+        self.tokenizer = check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
         self.backend = "adapters"
         self.background = None
         self.experts = nn.ModuleList()
@@ -230,13 +234,16 @@ class ComposedLM(nn.Module):
         module = self.model if self.backend == "adapters" else self.background
         return next(module.parameters()).device
 
-    def _base_model(self) -> PreTrainedModel:
+    @property
+    def base_model(self) -> PreTrainedModel:
+        """The model the adapters backend runs on its ``(k+1)·B`` row blocks (the PeftModel's base model, its LoRA
+        layers driven by :mod:`compose.grouped_lora`), or the separate backend's background."""
         return self.model.get_base_model() if self.backend == "adapters" else self.background
 
     @property
     def position_restart(self) -> int | None:
-        """The token at which the models count positions from 0 again (``compose.common.position_ids``), if any."""
-        return position_restart_token(self._base_model())
+        """The token at which the models count positions from 0 again (``compose.positions.position_ids``), if any."""
+        return position_restart_token(self.base_model)
 
     @contextmanager
     def packed_weights(self, batch_size: int = 1) -> Iterator[int]:
@@ -254,15 +261,18 @@ class ComposedLM(nn.Module):
 
         rows = batch_size * (self.num_experts + 1 if self.backend == "adapters" else 1)
         with contextlib.ExitStack() as stack:
-            packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in self._components())
+            packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in self.step_modules())
             outer = self.__dict__.get("_packed", False)  # an enclosing block's state, restored on exit
             self.__dict__["_packed"] = outer or packed > 0
             stack.callback(self.__dict__.__setitem__, "_packed", outer)
             yield packed
 
-    # ------------------------------------------------------------------ forward passes
+    # ------------------------------------------------------------------ decoding steps
+    # What `compose.decoding` builds its steps from: the modules a step runs, an empty cache for each, and one
+    # forward of every component. The adapters backend's row blocks reach its LoRA layers through the context
+    # `generate` and `score` open around these calls (`compose.grouped_lora`).
 
-    def _forward(
+    def component_logits(
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None,
@@ -271,17 +281,23 @@ class ComposedLM(nn.Module):
         last_only: bool,
         forwards: Sequence[Callable[..., Any]] | None = None,
     ) -> Tensor:
-        """Logits of every component, float32 ``[k+1, B, T', V]`` (``T' = 1`` when ``last_only``).
+        """Logits of every component, float32 ``[k+1, B, T', V]`` (``T' = 1`` when ``last_only``), background first.
 
-        ``forwards``: callables that stand in for the components' modules (their compiled forwards), in the
-        order of ``caches``."""
+        Args:
+            input_ids, attention_mask, position_ids: ``[B, T]`` (the attention mask and position ids cover every
+                token the caches hold plus ``input_ids``).
+            caches: one cache per module of :meth:`step_modules` (updated in place), or None (no cache).
+            last_only: keep only the last position's logits.
+            forwards: callables that stand in for the modules of :meth:`step_modules` (their compiled forwards),
+                in the same order.
+        """
         kwargs: dict[str, Any] = {"use_cache": caches is not None}
-        if last_only and accepts(self._base_model(), "logits_to_keep"):
+        if last_only and accepts(self.base_model, "logits_to_keep"):
             kwargs["logits_to_keep"] = 1
         if self.backend == "adapters":
             # the row blocks reach every LoRA layer through what `_running` set up (grouped_lora.adapter_rows)
             n, b = self.num_experts + 1, input_ids.shape[0]
-            out = (self._base_model() if forwards is None else forwards[0])(
+            out = (self.base_model if forwards is None else forwards[0])(
                 input_ids=row_blocks(input_ids, n),
                 attention_mask=row_blocks(attention_mask, n),
                 position_ids=row_blocks(position_ids, n),
@@ -303,12 +319,14 @@ class ComposedLM(nn.Module):
             outs.append(out.logits[:, -1:] if last_only else out.logits)
         return torch.stack([o.float() for o in outs])
 
-    def _components(self) -> list[nn.Module]:
-        """The modules a decoding step runs: the adapters backend's base model, or every model."""
-        return [self._base_model()] if self.backend == "adapters" else [self.background, *self.experts]
+    def step_modules(self) -> list[nn.Module]:
+        """The modules a decoding step runs: the adapters backend's :attr:`base_model`, or every model (background
+        first)."""
+        return [self.base_model] if self.backend == "adapters" else [self.background, *self.experts]
 
-    def _new_caches(self) -> list[DynamicCache]:
-        return [DynamicCache(config=m.config) for m in self._components()]
+    def new_caches(self) -> list[DynamicCache]:
+        """An empty KV cache per module of :meth:`step_modules`."""
+        return [DynamicCache(config=m.config) for m in self.step_modules()]
 
     @contextmanager
     def _running(self, batch_size: int) -> Iterator[None]:
@@ -335,7 +353,7 @@ class ComposedLM(nn.Module):
         if attention_mask is not None or self.position_restart is not None:
             position_ids = position_ids_of(input_ids, attention_mask, self.position_restart)
         with self._running(input_ids.shape[0]):
-            logits = self._forward(input_ids, attention_mask, position_ids, caches=None, last_only=False)
+            logits = self.component_logits(input_ids, attention_mask, position_ids, caches=None, last_only=False)
         lp = logits.log_softmax(-1)
         return lp[0], lp[1:]
 
@@ -348,7 +366,7 @@ class ComposedLM(nn.Module):
         The models run once over all positions (keeping only the hidden states their output heads take);
         each block then runs the heads on ``chunk_size`` positions, so at most ``(k+1)·B·chunk_size·V`` float32
         logits exist at once, never ``(k+1)·B·T·V``. A model whose head cannot be run on its own (see
-        :func:`_hidden_and_head`) yields one block of all positions.
+        :func:`compose.heads.hidden_and_head`) yields one block of all positions.
 
         Args:
             input_ids, attention_mask: as in :meth:`component_logprobs`.
@@ -373,9 +391,9 @@ class ComposedLM(nn.Module):
         with self._running(batch):
             heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
             if heads is None:  # an output head we cannot call on its own: all positions at once
-                yield slice(0, length), self._forward(input_ids, attention_mask, position_ids, None, last_only=False)
+                yield slice(0, length), self.component_logits(input_ids, attention_mask, position_ids, None, last_only=False)
                 return
-            out_dim, config_vocab = _vocab_sizes(self._base_model())[::-1]
+            out_dim, config_vocab = vocab_sizes(self.base_model)[::-1]
             chunk = chunk_size or score_chunk_size(n, batch, out_dim or config_vocab or 1)
             for start in range(0, length, chunk):
                 positions = slice(start, min(start + chunk, length))
@@ -431,9 +449,9 @@ class ComposedLM(nn.Module):
         if self.backend == "adapters":
             n = self.num_experts + 1
             blocks = [row_blocks(t, n) for t in (input_ids, attention_mask, position_ids)]
-            pairs = [_hidden_and_head(self._base_model(), *blocks)]
+            pairs = [hidden_and_head(self.base_model, *blocks)]
         else:
-            pairs = [_hidden_and_head(m, input_ids, attention_mask, position_ids)
+            pairs = [hidden_and_head(m, input_ids, attention_mask, position_ids)
                      for m in [self.background, *self.experts]]
         return None if any(p is None for p in pairs) else pairs
 
@@ -478,6 +496,8 @@ class ComposedLM(nn.Module):
         tokenizer=None,
         lazy: bool | str = False,
         compile: bool | str = False,
+        streamer=None,
+        stopping_criteria: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
@@ -522,6 +542,12 @@ class ComposedLM(nn.Module):
                 on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
                 minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
                 floating-point rounding; not with ``lazy``. Checked by :func:`check_compile`.
+            streamer: an object with transformers' streamer interface (``TextStreamer``,
+                ``TextIteratorStreamer``): ``put`` gets the (left-aligned) prompt ``[B, T]`` once, then each step's
+                tokens ``[B]`` (on the CPU, finished rows' as pad), and ``end()`` is called when decoding stops.
+            stopping_criteria: ``criteria(sequences [B, t], scores [B, V]) -> bool [B]`` after each step (transformers'
+                ``StoppingCriteriaList`` fits), with the prompt and the tokens so far and the step's composed scores;
+                a row where it is True finishes and is padded like one that emitted EOS.
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
@@ -534,68 +560,66 @@ class ComposedLM(nn.Module):
             TypeError: ``compile`` neither a bool nor a string.
         """
         device = self.device
-        input_ids = input_ids.to(device)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         eos, pad = self._special_tokens(eos_token_id, pad_token_id, device)
-        if attention_mask is None:
-            attention_mask = _infer_attention_mask(input_ids, eos, pad)
-        attention_mask = attention_mask.to(device).long()
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
-            )
-        input_ids, attention_mask = _left_aligned(input_ids, attention_mask)
-        if gates is None and self.composition == "gated":
-            from compose.gating import gates_from_specs
-
-            gates = gates_from_specs(self.specs, self._gating_tokenizer(), prompt_len=input_ids.shape[1])
-        if gates is not None and len(gates) != self.num_experts:
-            raise ValueError(f"gates has {len(gates)} entries but there are {self.num_experts} experts")
-        processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+        input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, eos, pad, device)
+        gates = self._gates(gates, prompt_len=input_ids.shape[1])
+        choose = _token_chooser(do_sample, temperature, top_k, top_p, generator)
         stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
-        prompt_len = input_ids.shape[1]
-
-        batch = input_ids.shape[0]
-        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
         compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
-        static_length = static_cache_length(prompt_len + max_new_tokens) if compile else None
+        static_length = static_cache_length(input_ids.shape[1] + max_new_tokens) if compile else None
         mode = compile if isinstance(compile, str) else None  # True: torch's default mode
-        with self._decoding(batch, lazy, static_length, mode) as decode:
-            positions = position_ids_of(input_ids, attention_mask, self.position_restart)
-            for step in range(max_new_tokens):
-                masks = _gate_masks(gates, input_ids, device)
-                active = _active_experts(masks, unfinished) if lazy else None
-                logits = decode(input_ids, attention_mask, positions, active)
-                if active is None:
-                    scores = compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
-                else:  # the skipped experts' gates are closed on every unfinished row: their factor is 1 there
-                    weights = [self.weights[i] for i in active]
-                    scores = compose_logprobs(logits[0], logits[1:], weights, masks[active], self.min_logprob)
-                if do_sample:
-                    scores = processors(input_ids, scores)
-                    probs = scores.softmax(-1)
-                    next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                else:
-                    next_tokens = scores.argmax(-1)
-                if eos is not None or stopper is not None:
-                    next_tokens = torch.where(unfinished, next_tokens, pad)
-                if eos is not None:
-                    unfinished &= ~torch.isin(next_tokens, eos)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                if stopper is not None:
-                    unfinished &= ~stopper(input_ids[:, prompt_len:], None).to(device)
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
-                if step == max_new_tokens - 1 or not bool(unfinished.any()):
-                    break
-                following = next_position_ids(positions[:, -1:], next_tokens, self.position_restart)
-                positions = torch.cat([positions, following], dim=-1)
+        with self._decoding(input_ids.shape[0], lazy, static_length, mode) as decode:
+            return self._decode(decode, input_ids, attention_mask, max_new_tokens, gates, choose,
+                                _Finishing(eos, pad, stopper, input_ids.shape[1]))
+
+    def _decode(self, decode: PlainSteps | CompiledSteps | LazySteps, input_ids: Tensor, attention_mask: Tensor,
+                max_new_tokens: int, gates: Sequence[Gate | None] | None,
+                choose: Callable[[Tensor, Tensor], Tensor], finishing: _Finishing) -> Tensor:
+        """The decoding loop of :meth:`generate`: compose the step's logits, choose the next tokens, stop when every
+        row has finished. ``decode`` is lazy exactly when it is a :class:`LazySteps`."""
+        batch, device = input_ids.shape[0], input_ids.device
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        lazy = isinstance(decode, LazySteps)
+        positions = position_ids_of(input_ids, attention_mask, self.position_restart)
+        for step in range(max_new_tokens):
+            masks = _gate_masks(gates, input_ids, device)
+            active = _active_experts(masks, unfinished) if lazy else None
+            scores = self._composed_step(decode(input_ids, attention_mask, positions, active), masks, active)
+            next_tokens = finishing.fill(choose(input_ids, scores), unfinished)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            done = finishing.done(next_tokens, input_ids)
+            if done is not None:
+                unfinished &= ~done
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
+            if step == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            following = next_position_ids(positions[:, -1:], next_tokens, self.position_restart)
+            positions = torch.cat([positions, following], dim=-1)
         return input_ids
+
+    def _composed_step(self, logits: Tensor, masks: Tensor | None, active: list[int] | None) -> Tensor:
+        """Composed log-probs ``[B, V]`` of one step from its logits ``[1 + k', B, V]`` (background first; with
+        ``active``, only those experts ran)."""
+        if active is None:
+            return compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
+        # the skipped experts' gates are closed on every unfinished row: their factor is 1 there
+        weights = [self.weights[i] for i in active]
+        return compose_logprobs(logits[0], logits[1:], weights, masks[active], self.min_logprob)
+
+    def _gates(self, gates: Sequence[Gate | None] | None, prompt_len: int) -> Sequence[Gate | None] | None:
+        """``generate``'s gates: as given, or with ``composition="gated"`` and none given, the specs' intervals."""
+        if gates is None and self.composition == "gated":
+            from compose.gating import gates_from_specs
+
+            gates = gates_from_specs(self.specs, self._gating_tokenizer(), prompt_len=prompt_len)
+        if gates is not None and len(gates) != self.num_experts:
+            raise ValueError(f"gates has {len(gates)} entries but there are {self.num_experts} experts")
+        return gates
 
     @contextmanager
     def _decoding(self, batch_size: int, lazy: bool | str, static_length: int | None = None,
@@ -617,7 +641,7 @@ class ComposedLM(nn.Module):
     def _special_tokens(
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
     ) -> tuple[Tensor | None, Tensor | None]:
-        gen_config = getattr(self._base_model(), "generation_config", None)
+        gen_config = getattr(self.base_model, "generation_config", None)
         if eos_token_id is None:
             eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
             if eos_token_id is None and gen_config is not None:
@@ -641,6 +665,22 @@ def _check_composition(composition: str) -> str:
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
     return composition
+
+
+def _checked_prompt(input_ids: Tensor, attention_mask: Tensor | None, eos: Tensor | None, pad: Tensor | None,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+    """``generate``'s prompt on ``device``: its attention mask (given or inferred), rows left-aligned."""
+    input_ids = input_ids.to(device)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = _infer_attention_mask(input_ids, eos, pad)
+    attention_mask = attention_mask.to(device).long()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
+        )
+    return _left_aligned(input_ids, attention_mask)
 
 
 def _infer_attention_mask(input_ids: Tensor, eos: Tensor | None, pad: Tensor | None) -> Tensor:
@@ -686,6 +726,46 @@ def _stop_criteria(stop_strings: Sequence[str] | None, tokenizer, pad: Tensor | 
     from transformers import StopStringCriteria
 
     return StopStringCriteria(tokenizer, list(stop_strings))
+
+
+def _token_chooser(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+                   generator: torch.Generator | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """``choose(input_ids, scores [B, V]) -> next tokens [B]``: the argmax, or a sample after the warpers."""
+    if not do_sample:
+        return lambda input_ids, scores: scores.argmax(-1)
+    processors = _warpers(temperature, top_k, top_p)
+
+    def sample(input_ids: Tensor, scores: Tensor) -> Tensor:
+        probs = processors(input_ids, scores).softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    return sample
+
+
+@dataclass
+class _Finishing:
+    """When a row of ``generate`` finishes (it emitted an EOS id, or its generated text holds a stop string) and
+    what fills it from then on (``pad``)."""
+
+    eos: Tensor | None
+    pad: Tensor | None
+    stopper: Any
+    prompt_len: int
+
+    def fill(self, next_tokens: Tensor, unfinished: Tensor) -> Tensor:
+        """``next_tokens`` with the finished rows' replaced by the pad token."""
+        if self.eos is None and self.stopper is None:
+            return next_tokens
+        return torch.where(unfinished, next_tokens, self.pad)
+
+    def done(self, next_tokens: Tensor, input_ids: Tensor) -> Tensor | None:
+        """Bool ``[B]``: rows that finish with ``next_tokens`` (the last column of ``input_ids``); None when no row
+        can finish before ``max_new_tokens``."""
+        done = None if self.eos is None else torch.isin(next_tokens, self.eos)
+        if self.stopper is not None:
+            stopped = self.stopper(input_ids[:, self.prompt_len:], None).to(next_tokens.device)
+            done = stopped if done is None else done | stopped
+        return done
 
 
 def _warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
@@ -742,106 +822,3 @@ def score_chunk_size(components: int, batch_size: int, vocab_size: int, budget: 
     """Positions per block of :meth:`ComposedLM.score`: the most whose ``[components, B, c, V]`` float32 logits
     fit in ``budget`` bytes (at least 1)."""
     return max(1, budget // (4 * components * batch_size * vocab_size))
-
-
-def _hidden_and_head(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
-) -> tuple[Callable[[Tensor], Tensor], Tensor] | None:
-    """One teacher-forced forward of ``model`` that stops short of its output head: ``(head, hidden [B, T, d])``.
-
-    A pre-hook on ``model.get_output_embeddings()`` keeps the head's input at every position and lets the model
-    compute only the last position's logits; ``head(hidden[:, -1:])`` must reproduce those (an
-    architecture that post-processes its logits other than by ``final_logit_softcapping`` fails that check).
-    None when the model has no such head, never calls it, or the check fails.
-    """
-    get_head = getattr(model, "get_output_embeddings", None)
-    head_module = get_head() if callable(get_head) else None
-    if head_module is None:
-        return None
-    captured: list[Tensor] = []
-
-    def keep_last(module: nn.Module, args: tuple) -> tuple | None:
-        if captured or not args or args[0].dim() != 3:
-            return None
-        captured.append(args[0])
-        return (args[0][:, -1:], *args[1:])
-
-    handle = head_module.register_forward_pre_hook(keep_last)
-    try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    if not captured or out.logits.shape[1] != 1:
-        return None
-    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-
-    def head(hidden: Tensor) -> Tensor:
-        logits = head_module(hidden)
-        return logits if not softcap else torch.tanh(logits / softcap) * softcap
-
-    if not torch.allclose(head(captured[0][:, -1:]).float(), out.logits.float(), rtol=1e-5, atol=1e-5):
-        return None
-    return head, captured[0]
-
-
-def _vocab_sizes(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(config vocab size, output dimension)`` of a causal LM (None where unknown)."""
-    config = getattr(model, "config", None)
-    config_vocab = None
-    if config is not None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        config_vocab = getattr(text_config, "vocab_size", None)
-    out_dim = None
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
-    if head is not None:
-        weight = getattr(head, "weight", None)
-        out_dim = getattr(head, "out_features", None) or (None if weight is None else weight.shape[0])
-    return config_vocab, out_dim
-
-
-def _check_same_vocab(components: list[tuple[str, nn.Module]]) -> None:
-    """Refuse components whose vocabulary size (config or output dimension) differs from the background's."""
-    _, background = components[0]
-    bg_config, bg_out = _vocab_sizes(background)
-    if bg_config is not None and bg_out is not None and bg_config != bg_out:
-        raise ValueError(f"background: config.vocab_size={bg_config} but its output layer has {bg_out} rows")
-    bg = bg_out if bg_out is not None else bg_config
-    for label, model in components[1:]:
-        config_vocab, out_dim = _vocab_sizes(model)
-        for what, size in (("config.vocab_size", config_vocab), ("output dimension", out_dim)):
-            if size is not None and bg is not None and size != bg:
-                raise ValueError(
-                    f"{label} has {what} {size} but the background's vocabulary size is {bg}; "
-                    "composed components must share one vocabulary"
-                )
-
-
-def _tokenizer_signature(tokenizer) -> tuple[dict, dict]:
-    special = {}
-    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"):
-        special[attr] = getattr(tokenizer, attr, None)
-    special["all_special_ids"] = sorted(getattr(tokenizer, "all_special_ids", []) or [])
-    return tokenizer.get_vocab(), special
-
-
-def _check_tokenizers(tokenizer, labels: list[str]):
-    """One tokenizer, or one per component that must all be identical; returns the background's."""
-    if tokenizer is None or not isinstance(tokenizer, (list, tuple)):
-        return tokenizer
-    if len(tokenizer) != len(labels):
-        raise ValueError(f"got {len(tokenizer)} tokenizers for {len(labels)} components (background + experts)")
-    ref_vocab, ref_special = _tokenizer_signature(tokenizer[0])
-    for label, tok in zip(labels[1:], tokenizer[1:], strict=True):
-        if tok is None:
-            continue
-        vocab, special = _tokenizer_signature(tok)
-        if vocab != ref_vocab:
-            raise ValueError(
-                f"{label} has a different tokenizer vocabulary than the background "
-                f"({len(vocab)} vs {len(ref_vocab)} tokens, {len(set(vocab.items()) ^ set(ref_vocab.items()))} differ)"
-            )
-        if special != ref_special:
-            diff = {k: (special[k], ref_special[k]) for k in special if special[k] != ref_special[k]}
-            raise ValueError(f"{label} has different special tokens than the background: {diff}")
-    return tokenizer[0]

@@ -4,7 +4,9 @@
 * :class:`CompiledSteps`: the same on static KV caches, each step after the prompt's through ``torch.compile``;
 * :class:`LazySteps`: gated composition that skips the experts whose interval is closed and catches them up.
 
-Each is called with the prefix so far and returns the next token's logits of the components it ran.
+Each is called with the prefix so far and returns the next token's logits of the components it ran. They drive
+the composed model through its decoding-step surface: ``step_modules``, ``new_caches``, ``component_logits`` and
+``base_model``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticCache
 
-from compose.common import accepts, row_blocks
+from compose.grouped_lora import row_blocks
+from compose.modules import accepts
 
 if TYPE_CHECKING:
     from compose.composed_lm import ComposedLM
@@ -30,14 +33,15 @@ class PlainSteps:
     """Decoding steps that run every component (the ``(k+1)·B`` batch, or every model) on every new token."""
 
     def __init__(self, lm: ComposedLM) -> None:
-        self.lm, self.caches, self.held = lm, lm._new_caches(), 0
+        self.lm, self.caches, self.held = lm, lm.new_caches(), 0
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
                  active: list[int] | None) -> Tensor:
         """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
         new = slice(self.held, input_ids.shape[1])
         self.held = input_ids.shape[1]
-        return self.lm._forward(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
+        logits = self.lm.component_logits(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)
+        return logits[:, :, -1]
 
 
 class CompiledSteps:
@@ -46,7 +50,7 @@ class CompiledSteps:
     the positions not yet written), so every step has the same shapes and reuses one compiled graph."""
 
     def __init__(self, lm: ComposedLM, length: int, mode: str | None) -> None:
-        modules = lm._components()
+        modules = lm.step_modules()
         self.lm, self.length, self.held = lm, length, 0
         self.caches = [StaticCache(config=m.config, max_cache_len=length) for m in modules]
         self.forwards = [functools.partial(_compiled_forward(type(m), mode), m) for m in modules]
@@ -60,7 +64,7 @@ class CompiledSteps:
         mask = F.pad(attention_mask, (0, self.length - attention_mask.shape[1]), value=1)
         # dynamo guards strides too, even of size-1 dims: a slice of the growing prefix would recompile every step
         ids, positions = (t[:, new].clone(memory_format=torch.contiguous_format) for t in (input_ids, positions))
-        return self.lm._forward(ids, mask, positions, self.caches, True, forwards)[:, :, -1]
+        return self.lm.component_logits(ids, mask, positions, self.caches, True, forwards)[:, :, -1]
 
 
 @functools.cache
@@ -133,7 +137,7 @@ class LazySteps:
         n = lm.num_experts + 1
         self.held = [0] * n
         if lm.backend == "adapters":
-            self.config = lm._base_model().config
+            self.config = lm.base_model.config
             self.group: tuple[int, ...] = ()
             self.group_cache = DynamicCache(config=self.config)
             self.parked: dict[int, DynamicCache] = {}
@@ -167,7 +171,7 @@ class LazySteps:
         n, batch = len(components), input_ids.shape[0]
         self.select(components)
         rows = tuple(row_blocks(t, n) for t in (input_ids[:, new], attention_mask, positions[:, new]))
-        logits = _last_logits(self.lm._base_model(), *rows, self.group_cache)
+        logits = _last_logits(self.lm.base_model, *rows, self.group_cache)
         for c in components:
             self.held[c] = input_ids.shape[1]
         return logits.view(n, batch, -1)
@@ -202,7 +206,7 @@ class LazySteps:
                 if self.held[c] < length:  # one prefill of the tokens it missed (never the background)
                     missed = slice(self.held[c], length)
                     self.select((c,))
-                    _last_logits(self.lm._base_model(), input_ids[:, missed], attention_mask[:, :length],
+                    _last_logits(self.lm.base_model, input_ids[:, missed], attention_mask[:, :length],
                                  positions[:, missed], caches[c])
                     self.held[c] = length
         self.group, self.group_cache = components, _merge_caches([caches[c] for c in components])

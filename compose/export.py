@@ -32,7 +32,6 @@ unlisted one may be there (`verify_export`), and only safetensors are read from 
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import re
 import shutil
@@ -43,14 +42,16 @@ from typing import Any
 
 import yaml
 
-from compose.common import atomic_save, check_vocab
+from compose.atomic import atomic_save
+from compose.model_io import load_tokenizer, pretrained_causal_lm, sha256_file
+from compose.vocab import check_vocab
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "composition.yaml"
 EXPERT_KINDS = ("lora", "model")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 WEIGHT_SUFFIX = ".safetensors"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+EXPERT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # expert names become folder and adapter names
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _TOP_KEYS = ("format_version", "background", "tokenizer", "experts", "checksums", "extra")
 _EXPERT_KEYS = ("name", "kind", "path", "weight", "spec")
@@ -99,20 +100,34 @@ def export_composition(
         ValueError: inconsistent arguments (names, weights, specs, vocabulary, LoRA layers in the
             background, ...), detected before anything is written.
     """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     path = Path(path)
+    lora_names = _lora_names(peft_model, adapter_names)
     expert_models = dict(expert_models or {})
-    weights = dict(weights or {})
-    specs = dict(specs or {})
+    weights, specs = dict(weights or {}), dict(specs or {})
     extra = {} if extra is None else extra
+    _check_expert_settings(lora_names + [str(n) for n in expert_models], weights, specs, extra)
+    ref_checksums = _check_background(path, tokenizer, background, background_ref, peft_model)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    contents = _ExportContents(tokenizer, background, background_ref, ref_checksums, peft_model, lora_names,
+                               expert_models, weights, specs, extra)
+    atomic_save(contents.write, path, overwrite)
+    return path
+
+
+def _lora_names(peft_model, adapter_names: Sequence[str]) -> list[str]:
+    """The adapters to export: ``adapter_names``, or every adapter of ``peft_model``."""
     if peft_model is None and adapter_names:
         raise ValueError("adapter_names given without peft_model")
     lora_names = [str(n) for n in (adapter_names or (list(peft_model.peft_config) if peft_model is not None else []))]
     for name in lora_names:
         if name not in peft_model.peft_config:
             raise ValueError(f"adapter {name!r} is not in peft_model (it holds {sorted(peft_model.peft_config)})")
-    names = lora_names + [str(n) for n in expert_models]
+    return lora_names
+
+
+def _check_expert_settings(names: list[str], weights: Mapping, specs: Mapping, extra: Any) -> None:
+    """Expert names, and the weights, specs and extra stored with them, before anything is written."""
     _check_names(names, "export_composition")
     for what, mapping in (("weights", weights), ("specs", specs)):
         unknown = sorted(set(mapping) - set(names))
@@ -126,11 +141,17 @@ def export_composition(
     for name, w in weights.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)):
             raise ValueError(f"weights[{name!r}] must be a number, got {w!r}")
-    # Fail on non-YAML-able specs/extra now, before anything is written.
     try:
         yaml.safe_dump({"specs": _plain(specs), "extra": _plain(extra)})
     except yaml.YAMLError as err:
         raise ValueError(f"specs/extra must be plain YAML data (dicts, lists, str, numbers): {err}") from err
+
+
+def _check_background(path: Path, tokenizer, background, background_ref: str | None, peft_model) -> dict[str, str]:
+    """Check the background given to `export_composition` (exactly one source, no adapter layers, a vocabulary
+    that holds the tokenizer's); return a reference's weight checksums (``{}`` without one)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     if background is not None and background_ref is not None:
         raise ValueError("pass either background or background_ref, not both")
     if background is None and background_ref is None and peft_model is None:
@@ -142,40 +163,55 @@ def export_composition(
         )
     ref_checksums: dict[str, str] = {}
     if background_ref is not None:
-        ref_dir = _resolve_ref(path, str(background_ref))
+        ref_dir = resolve_ref(path, str(background_ref))
         if not (ref_dir / "config.json").is_file():
             raise ValueError(f"background_ref {background_ref!r}: {ref_dir} is not an HF model folder (no config.json)")
         ref_checksums = _weight_checksums(ref_dir, f"background_ref {background_ref!r}")
-        ref_vocab = _read_config_vocab(ref_dir)
+        vocab = _read_config_vocab(ref_dir)
     else:
         bg_model = background if background is not None else peft_model.get_base_model()
-        ref_vocab = bg_model.config.get_text_config().vocab_size
-    check_vocab(tokenizer, ref_vocab, "export_composition: background")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        vocab = bg_model.config.get_text_config().vocab_size
+    check_vocab(tokenizer, vocab, "export_composition: background")
+    return ref_checksums
 
-    def write(tmp: Path) -> None:
-        nonlocal background
+
+@dataclass
+class _ExportContents:
+    """What `export_composition` writes, checked; `write` lays it out in a folder."""
+
+    tokenizer: Any
+    background: Any
+    background_ref: str | None
+    ref_checksums: dict[str, str]
+    peft_model: Any
+    lora_names: list[str]
+    expert_models: dict[str, Any]
+    weights: dict[str, float]
+    specs: dict[str, dict]
+    extra: Mapping
+
+    def write(self, tmp: Path) -> None:
         tmp.mkdir()
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        if background_ref is not None:
-            background_entry: dict[str, Any] = {"ref": str(background_ref), "checksums": ref_checksums}
-        else:
-            if background is None:  # the PeftModel's base model, adapters removed, on a copy
-                background = copy.deepcopy(peft_model).unload()
-            background.save_pretrained(tmp / "background")
-            background_entry = {"path": "background"}
+        self.tokenizer.save_pretrained(tmp / "tokenizer")
+        background_entry = self._write_background(tmp)
         experts = []
-        for name in lora_names:
-            _save_adapter(peft_model, name, tmp / "experts" / name, tmp / ".peft-scratch")
-            experts.append(_expert_entry(name, "lora", weights, specs))
-        for name, model in expert_models.items():
+        for name in self.lora_names:
+            _save_adapter(self.peft_model, name, tmp / "experts" / name, tmp / ".peft-scratch")
+            experts.append(_expert_entry(name, "lora", self.weights, self.specs))
+        for name, model in self.expert_models.items():
             model.save_pretrained(tmp / "experts" / name)
-            experts.append(_expert_entry(name, "model", weights, specs))
-        write_manifest(tmp, background_entry, experts, extra)
+            experts.append(_expert_entry(name, "model", self.weights, self.specs))
+        write_manifest(tmp, background_entry, experts, self.extra)
 
-    atomic_save(write, path, overwrite)
-    return path
+    def _write_background(self, tmp: Path) -> dict[str, Any]:
+        """Save the background under ``tmp/background`` (or nothing, for a reference); its manifest entry."""
+        if self.background_ref is not None:
+            return {"ref": str(self.background_ref), "checksums": self.ref_checksums}
+        background = self.background
+        if background is None:  # the PeftModel's base model, adapters removed, on a copy
+            background = copy.deepcopy(self.peft_model).unload()
+        background.save_pretrained(tmp / "background")
+        return {"path": "background"}
 
 
 def write_manifest(folder: Path, background: dict, experts: list[dict], extra: Mapping) -> dict:
@@ -194,7 +230,7 @@ def write_manifest(folder: Path, background: dict, experts: list[dict], extra: M
         "tokenizer": "tokenizer",
         "experts": experts,
         "checksums": {
-            p.relative_to(folder).as_posix(): _sha256(p)
+            p.relative_to(folder).as_posix(): sha256_file(p)
             for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / MANIFEST_NAME
         },
         "extra": _plain(extra),
@@ -228,8 +264,122 @@ def _expert_entry(name: str, kind: str, weights: Mapping, specs: Mapping) -> dic
 # ---------------------------------------------------------------------- manifest
 
 
+@dataclass
+class Manifest:
+    """A ``composition.yaml``, checked: `read` parses the file and its top-level keys; construction checks every
+    value (`__post_init__`), each failure a ``ValueError`` naming the file and the key. Defaults filled in:
+    ``extra`` and each expert's ``spec`` ``{}``, its ``weight`` 1.0 (a float)."""
+
+    file: Path
+    format_version: int
+    background: dict
+    tokenizer: str
+    experts: list[dict]
+    checksums: dict[str, str]
+    extra: dict
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Manifest:
+        """The manifest of an export folder, or of the manifest file itself."""
+        path = Path(path)
+        file = path / MANIFEST_NAME if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"{file}: no composition manifest there")
+        try:
+            data = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"{file}: not valid YAML: {err}") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{file}: the manifest must be a mapping, got {type(data).__name__}")
+        if data.get("extra") is None:
+            data["extra"] = {}
+        for key in _TOP_KEYS:
+            if key not in data:
+                raise _key_error(file, key, "is missing")
+        for key in data:
+            if key not in _TOP_KEYS:
+                raise _key_error(file, str(key), f"is unknown (allowed: {', '.join(_TOP_KEYS)})")
+        return cls(file=file, **data)
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION or isinstance(self.format_version, bool):
+            raise self.fail("format_version", f"must be {FORMAT_VERSION}, got {self.format_version!r}")
+        self._check_background()
+        _check_relpath(self.tokenizer, "tokenizer", self.fail)
+        self._check_experts()
+        _check_checksums(self.checksums, "checksums", self.fail)
+        for key in self.checksums:
+            _check_relpath(key, f"checksums[{key!r}]", self.fail)
+        if not isinstance(self.extra, dict):
+            raise self.fail("extra", f"must be a mapping, got {type(self.extra).__name__}")
+
+    def fail(self, key: str, msg: str) -> ValueError:
+        """The error for a bad value at ``key``."""
+        return _key_error(self.file, key, msg)
+
+    def to_dict(self) -> dict:
+        """The manifest as the mapping its file holds."""
+        return {key: getattr(self, key) for key in _TOP_KEYS}
+
+    def _check_background(self) -> None:
+        bg = self.background
+        if not isinstance(bg, dict) or len({"path", "ref"} & set(bg)) != 1:
+            raise self.fail("background", "must be a mapping with exactly one of 'path' or 'ref'")
+        allowed = {"path"} if "path" in bg else {"ref", "checksums"}
+        for key in bg:
+            if key not in allowed:
+                raise self.fail(f"background.{key}", f"is unknown (allowed: {sorted(allowed)})")
+        if "path" in bg:
+            _check_relpath(bg["path"], "background.path", self.fail)
+            return
+        if not isinstance(bg["ref"], str) or not bg["ref"]:
+            raise self.fail("background.ref", f"must be a non-empty string, got {bg['ref']!r}")
+        bg.setdefault("checksums", {})
+        _check_checksums(bg["checksums"], "background.checksums", self.fail)
+
+    def _check_experts(self) -> None:
+        if self.experts is None:
+            self.experts = []
+        if not isinstance(self.experts, list):
+            raise self.fail("experts", f"must be a list, got {type(self.experts).__name__}")
+        seen: set[str] = set()
+        for i, entry in enumerate(self.experts):
+            self._check_expert(f"experts[{i}]", entry, seen)
+            seen.add(entry["name"])
+
+    def _check_expert(self, where: str, e: Any, seen: set[str]) -> None:
+        """One entry of ``experts`` (its defaults filled in, its weight made a float)."""
+        if not isinstance(e, dict):
+            raise self.fail(where, f"must be a mapping, got {type(e).__name__}")
+        e.setdefault("spec", {})
+        e.setdefault("weight", 1.0)
+        for key in _EXPERT_KEYS:
+            if key not in e:
+                raise self.fail(f"{where}.{key}", "is missing")
+        for key in e:
+            if key not in _EXPERT_KEYS:
+                raise self.fail(f"{where}.{key}", f"is unknown (allowed: {', '.join(_EXPERT_KEYS)})")
+        name = e["name"]
+        if not isinstance(name, str) or not EXPERT_NAME_RE.match(name) or name == "__base__":
+            raise self.fail(f"{where}.name", f"must be a simple name ([A-Za-z0-9_.-], not '__base__'), got {name!r}")
+        if name in seen:
+            raise self.fail(f"{where}.name", f"repeats the expert name {name!r}")
+        if e["kind"] not in EXPERT_KINDS:
+            raise self.fail(f"{where}.kind", f"must be one of {EXPERT_KINDS}, got {e['kind']!r}")
+        _check_relpath(e["path"], f"{where}.path", self.fail)
+        w = e["weight"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise self.fail(f"{where}.weight", f"must be a number, got {w!r}")
+        e["weight"] = float(w)
+        if e["spec"] is None:
+            e["spec"] = {}
+        if not isinstance(e["spec"], dict):
+            raise self.fail(f"{where}.spec", f"must be a mapping, got {type(e['spec']).__name__}")
+
+
 def load_manifest(path: str | os.PathLike) -> dict:
-    """Parse and validate ``composition.yaml`` (``path`` is the export folder or the file itself).
+    """Parse and validate ``composition.yaml`` (``path`` is the export folder or the file itself): `Manifest`
+    as a dict.
 
     Returns:
         The manifest as a dict (``extra`` and each expert's ``spec`` default to ``{}``).
@@ -238,89 +388,11 @@ def load_manifest(path: str | os.PathLike) -> dict:
         ValueError: unreadable YAML, a missing/unknown key or a value of the wrong type, naming the file
             and the key.
     """
-    path = Path(path)
-    file = path / MANIFEST_NAME if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"{file}: no composition manifest there")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{file}: not valid YAML: {err}") from err
+    return Manifest.read(path).to_dict()
 
-    def fail(key: str, msg: str) -> ValueError:
-        return ValueError(f"{file}: key {key!r} {msg}")
 
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: the manifest must be a mapping, got {type(data).__name__}")
-    data.setdefault("extra", {})
-    if data["extra"] is None:
-        data["extra"] = {}
-    for key in _TOP_KEYS:
-        if key not in data:
-            raise fail(key, "is missing")
-    for key in data:
-        if key not in _TOP_KEYS:
-            raise fail(str(key), f"is unknown (allowed: {', '.join(_TOP_KEYS)})")
-    if data["format_version"] != FORMAT_VERSION or isinstance(data["format_version"], bool):
-        raise fail("format_version", f"must be {FORMAT_VERSION}, got {data['format_version']!r}")
-
-    bg = data["background"]
-    if not isinstance(bg, dict) or len({"path", "ref"} & set(bg)) != 1:
-        raise fail("background", "must be a mapping with exactly one of 'path' or 'ref'")
-    allowed = {"path"} if "path" in bg else {"ref", "checksums"}
-    for key in bg:
-        if key not in allowed:
-            raise fail(f"background.{key}", f"is unknown (allowed: {sorted(allowed)})")
-    if "path" in bg:
-        _check_relpath(bg["path"], "background.path", fail)
-    else:
-        if not isinstance(bg["ref"], str) or not bg["ref"]:
-            raise fail("background.ref", f"must be a non-empty string, got {bg['ref']!r}")
-        bg.setdefault("checksums", {})
-        _check_checksums(bg["checksums"], "background.checksums", fail)
-    _check_relpath(data["tokenizer"], "tokenizer", fail)
-
-    experts = data["experts"]
-    if experts is None:
-        experts = data["experts"] = []
-    if not isinstance(experts, list):
-        raise fail("experts", f"must be a list, got {type(experts).__name__}")
-    seen = set()
-    for i, e in enumerate(experts):
-        where = f"experts[{i}]"
-        if not isinstance(e, dict):
-            raise fail(where, f"must be a mapping, got {type(e).__name__}")
-        e.setdefault("spec", {})
-        e.setdefault("weight", 1.0)
-        for key in _EXPERT_KEYS:
-            if key not in e:
-                raise fail(f"{where}.{key}", "is missing")
-        for key in e:
-            if key not in _EXPERT_KEYS:
-                raise fail(f"{where}.{key}", f"is unknown (allowed: {', '.join(_EXPERT_KEYS)})")
-        name = e["name"]
-        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "__base__":
-            raise fail(f"{where}.name", f"must be a simple name ([A-Za-z0-9_.-], not '__base__'), got {name!r}")
-        if name in seen:
-            raise fail(f"{where}.name", f"repeats the expert name {name!r}")
-        seen.add(name)
-        if e["kind"] not in EXPERT_KINDS:
-            raise fail(f"{where}.kind", f"must be one of {EXPERT_KINDS}, got {e['kind']!r}")
-        _check_relpath(e["path"], f"{where}.path", fail)
-        w = e["weight"]
-        if isinstance(w, bool) or not isinstance(w, (int, float)):
-            raise fail(f"{where}.weight", f"must be a number, got {w!r}")
-        e["weight"] = float(w)
-        if e["spec"] is None:
-            e["spec"] = {}
-        if not isinstance(e["spec"], dict):
-            raise fail(f"{where}.spec", f"must be a mapping, got {type(e['spec']).__name__}")
-    _check_checksums(data["checksums"], "checksums", fail)
-    for key in data["checksums"]:
-        _check_relpath(key, f"checksums[{key!r}]", fail)
-    if not isinstance(data["extra"], dict):
-        raise fail("extra", f"must be a mapping, got {type(data['extra']).__name__}")
-    return data
+def _key_error(file: Path, key: str, msg: str) -> ValueError:
+    return ValueError(f"{file}: key {key!r} {msg}")
 
 
 def verify_export(path: str | os.PathLike, manifest: dict | None = None) -> None:
@@ -329,7 +401,7 @@ def verify_export(path: str | os.PathLike, manifest: dict | None = None) -> None
     Raises:
         ValueError: naming the missing, corrupt, truncated, unlisted or pickle file.
     """
-    root = _root(path)
+    root = export_root(path)
     manifest = load_manifest(root) if manifest is None else manifest
     _verify_files(root, manifest["checksums"], "export")
     listed = set(manifest["checksums"])
@@ -346,7 +418,7 @@ def verify_export(path: str | os.PathLike, manifest: dict | None = None) -> None
             raise ValueError(f"{root / rel}: required file is not listed in {MANIFEST_NAME} checksums")
     bg = manifest["background"]
     if "ref" in bg:
-        ref_dir = _resolve_ref(root, bg["ref"])
+        ref_dir = resolve_ref(root, bg["ref"])
         if not ref_dir.is_dir():
             raise ValueError(f"background ref {bg['ref']!r}: {ref_dir} does not exist")
         _verify_files(ref_dir, bg["checksums"], f"background ref {bg['ref']!r}")
@@ -401,13 +473,13 @@ def load_export(path: str | os.PathLike, *, backend: str = "adapters") -> Loaded
 
     if backend not in ("adapters", "separate"):
         raise ValueError(f"backend must be 'adapters' or 'separate', got {backend!r}")
-    root = _root(path)
+    root = export_root(path)
     manifest = load_manifest(root)
     verify_export(root, manifest)
-    tokenizer = _load_tokenizer(root / manifest["tokenizer"])
+    tokenizer = load_tokenizer(root / manifest["tokenizer"])
     bg = manifest["background"]
-    bg_dir = root / bg["path"] if "path" in bg else _resolve_ref(root, bg["ref"])
-    background = _load_model(bg_dir)
+    bg_dir = root / bg["path"] if "path" in bg else resolve_ref(root, bg["ref"])
+    background = pretrained_causal_lm(bg_dir)
     check_vocab(tokenizer, background.config.get_text_config().vocab_size, str(root / manifest["tokenizer"]))
     entries = manifest["experts"]
     names = [e["name"] for e in entries]
@@ -425,35 +497,22 @@ def load_export(path: str | os.PathLike, *, backend: str = "adapters") -> Loaded
                 wrapped = PeftModel.from_pretrained(copy.deepcopy(background), str(root / e["path"]))
                 experts.append(wrapped.merge_and_unload())
             else:
-                experts.append(_load_model(root / e["path"]))
+                experts.append(pretrained_causal_lm(root / e["path"]))
     return LoadedExport(tokenizer, background, experts, names, [e["weight"] for e in entries],
                         [e["spec"] for e in entries], manifest["extra"])
-
-
-def _load_model(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, trust_remote_code=False).eval()
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (ValueError, OSError, KeyError):
-        return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 # ---------------------------------------------------------------------- small helpers
 
 
-def _root(path: str | os.PathLike) -> Path:
+def export_root(path: str | os.PathLike) -> Path:
+    """The export folder of ``path``: the folder itself, or the folder of its ``composition.yaml``."""
     path = Path(path)
     return path.parent if path.name == MANIFEST_NAME and path.is_file() else path
 
 
-def _resolve_ref(root: Path, ref: str) -> Path:
+def resolve_ref(root: Path, ref: str) -> Path:
+    """The folder a ``background.ref`` names: ``~`` expanded; a relative one is relative to the export ``root``."""
     ref_path = Path(ref).expanduser()
     return ref_path if ref_path.is_absolute() else (root / ref_path)
 
@@ -461,7 +520,7 @@ def _resolve_ref(root: Path, ref: str) -> Path:
 def _check_names(names: list[str], where: str) -> None:
     seen = set()
     for name in names:
-        if not _NAME_RE.match(name) or name == "__base__":
+        if not EXPERT_NAME_RE.match(name) or name == "__base__":
             raise ValueError(f"{where}: expert name {name!r} must match [A-Za-z0-9][A-Za-z0-9_.-]* (not '__base__')")
         if name in seen:
             raise ValueError(f"{where}: expert name {name!r} is used twice")
@@ -489,7 +548,7 @@ def _verify_files(root: Path, checksums: Mapping[str, str], what: str) -> None:
         file = root / rel
         if not file.is_file():
             raise ValueError(f"{file}: listed in the {what} checksums but missing")
-        if _sha256(file) != expected:
+        if sha256_file(file) != expected:
             raise ValueError(f"{file}: sha256 mismatch (corrupt or truncated file)")
 
 
@@ -498,7 +557,7 @@ def _weight_checksums(folder: Path, what: str) -> dict[str, str]:
     weights = sorted(p for p in folder.rglob(f"*{WEIGHT_SUFFIX}") if p.is_file())
     if not weights:
         raise ValueError(f"{what}: no safetensors weights in {folder}" + (f" (only pickles {pickles})" if pickles else ""))
-    return {p.relative_to(folder).as_posix(): _sha256(p) for p in weights}
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in weights}
 
 
 def _read_config_vocab(folder: Path) -> int | None:
@@ -506,14 +565,6 @@ def _read_config_vocab(folder: Path) -> int | None:
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     return getattr(config.get_text_config(), "vocab_size", None)
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _plain(value: Any) -> Any:

@@ -8,7 +8,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
-from compose.common import model_position_ids
+from compose.positions import model_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, task_nll
 

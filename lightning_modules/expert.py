@@ -22,10 +22,11 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from compose import ComposedLM
-from compose.common import eval_mode, model_position_ids
-from compose.composed_lm import _hidden_and_head
 from compose.grouped_lora import peft_adapter_names
+from compose.heads import hidden_and_head
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
+from compose.modules import eval_mode
+from compose.positions import model_position_ids
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
@@ -462,7 +463,7 @@ def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[
 def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None) -> tuple[Head, Tensor]:
     """`(output head, its input [B, T, d])` of one forward of `model` (`compose.composed_lm._hidden_and_head`)."""
-    pair = _hidden_and_head(model, input_ids, attention_mask, position_ids)
+    pair = hidden_and_head(model, input_ids, attention_mask, position_ids)
     if pair is None:
         raise ValueError(f"loss_chunk_size: the output head of {type(model).__name__} cannot be run on its own "
                          "(see compose.composed_lm._hidden_and_head; a model inside a wrapper such as FSDP's has no "

@@ -161,7 +161,8 @@ def check_config(cfg: DictConfig) -> None:
     path exists (model folders, problem files, the lm-eval include path). One-line ValueError."""
     from compose.composed_lm import COMPOSITIONS
     from compose.frontends.code_generation import STOP_STYLES
-    from compose.frontends.model_folders import DTYPES, check_model_folder
+    from compose.frontends.model_folders import check_model_folder
+    from compose.model_io import DTYPE_NAMES as DTYPES
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
@@ -340,7 +341,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, dict]]:
     """Evaluate every system on every benchmark (cached scores reused); returns ``{system: {benchmark: score}}``."""
     import torch
 
-    from compose.common import atomic_write_text
+    from compose.atomic import atomic_write_text
     from compose.frontends.lm_eval import resolve_tasks
     from compose.frontends.model_folders import compose_folders
 

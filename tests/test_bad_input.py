@@ -205,7 +205,7 @@ def test_every_path_that_loads_an_export_verifies_it(tmp_path, export, damage, f
 
 def test_the_table_covers_the_issue(export):
     assert len(CASES) + len(EXPORT_CASES) >= 30
-    from compose.export import _NAME_RE
+    from compose.export import EXPERT_NAME_RE as _NAME_RE
     from lightning_modules.pipeline.config import NAME_RE
 
     assert NAME_RE.pattern == _NAME_RE.pattern  # expert names: the export's own rule

@@ -104,7 +104,7 @@ def test_jumped_position_ids_shift_each_row_from_its_separator():
 def test_coupled_positions_put_each_output_step_one_before_its_input_and_randomize_the_rest(tmp_path):
     """`coupled`: x_t at 2t, the separator at 1 and the step predicting y_t at 2t - 1 (after left padding as
     before, through a save and reload); random slots in training keep that offset and vary every other one."""
-    from compose.common import position_ids, position_restart_token
+    from compose.positions import position_ids, position_restart_token
     from lightning_modules.background import coupled_position_ids, training_position_ids
 
     ids = torch.tensor([[0, 0, 1, 5, 6, 3, 7, 8, 2], [1, 5, 6, 7, 3, 9, 9, 9, 2]])  # <bos>=1 <sep>=3 <eos>=2

@@ -17,7 +17,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from compose.common import atomic_file, atomic_save, pause_point, remove_stale_temporaries
+from compose.atomic import atomic_file, atomic_save, pause_point, remove_stale_temporaries
 from data.datamodule import TaskDataModule
 from data.sampler import ResumableSampler
 from data.tasks import Expert

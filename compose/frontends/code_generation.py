@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from compose.common import atomic_write_text
+from compose.atomic import atomic_write_text
 from compose.composed_lm import ComposedLM
 from compose.decoding import check_compile
 from compose.frontends.code_eval import load_problems

@@ -47,17 +47,18 @@ from typing import Any
 import torch
 import yaml
 
-from compose.common import atomic_save, atomic_write_text
-from compose.composed_lm import COMPOSITIONS, ComposedLM, _tokenizer_signature
+from compose.atomic import atomic_save, atomic_write_text
+from compose.composed_lm import COMPOSITIONS, ComposedLM
 from compose.export import (
     MANIFEST_NAME,
     WEIGHT_SUFFIX,
-    _load_tokenizer,
-    _resolve_ref,
     load_manifest,
+    resolve_ref,
     verify_export,
     write_manifest,
 )
+from compose.model_io import load_tokenizer
+from compose.vocab import tokenizer_signature
 from data.tasks import Expert, Task, TaskError, settings_from_node, task_class
 
 # Task settings that only shape training rows (rows per expert, how often a source is planted) or the run's own
@@ -88,7 +89,7 @@ class SourceExport:
     @property
     def background_dir(self) -> Path:
         bg = self.manifest["background"]
-        return self.root / bg["path"] if "path" in bg else _resolve_ref(self.root, bg["ref"])
+        return self.root / bg["path"] if "path" in bg else resolve_ref(self.root, bg["ref"])
 
     @property
     def background_checksums(self) -> dict[str, str]:
@@ -221,12 +222,12 @@ def _check_tokenizers(sources: list[SourceExport]):
     tokenizers = []
     for s in sources:
         try:
-            tokenizers.append(_load_tokenizer(s.root / s.manifest["tokenizer"]))
+            tokenizers.append(load_tokenizer(s.root / s.manifest["tokenizer"]))
         except (OSError, ValueError) as e:
             raise CombineError(f"{s.root}: cannot read its tokenizer: {str(e).splitlines()[0]}") from None
-    ours = _tokenizer_signature(tokenizers[0])
+    ours = tokenizer_signature(tokenizers[0])
     for s, tok in zip(sources[1:], tokenizers[1:], strict=True):
-        if _tokenizer_signature(tok) != ours:
+        if tokenizer_signature(tok) != ours:
             raise CombineError(f"{sources[0].root} and {s.root} have different tokenizers (vocabulary or special "
                                "tokens)")
     return tokenizers[0]

@@ -49,8 +49,9 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from compose.composed_lm import ComposedLM, _check_tokenizers
+from compose.composed_lm import ComposedLM
 from compose.decoding import check_compile
+from compose.vocab import check_tokenizers
 
 MODEL_NAME = "composed"
 DEFAULT_MAX_LENGTH = 2048
@@ -429,18 +430,19 @@ def check_export_tokenizer(path: str | os.PathLike) -> None:
     Raises:
         ValueError: one line naming both folders and what differs.
     """
-    from compose.export import _load_tokenizer, _resolve_ref, _root, load_manifest
+    from compose.export import export_root, load_manifest, resolve_ref
+    from compose.model_io import load_tokenizer
 
-    root = _root(path)
+    root = export_root(path)
     manifest = load_manifest(root)
     background = manifest["background"]
-    bg_dir = root / background["path"] if "path" in background else _resolve_ref(root, background["ref"])
+    bg_dir = root / background["path"] if "path" in background else resolve_ref(root, background["ref"])
     if not any((bg_dir / name).is_file() for name in _TOKENIZER_FILES):
         return
     export_dir = root / manifest["tokenizer"]
     try:
-        _check_tokenizers([_load_tokenizer(bg_dir), _load_tokenizer(export_dir)],
-                          ["background", f"export tokenizer {export_dir}"])
+        check_tokenizers([load_tokenizer(bg_dir), load_tokenizer(export_dir)],
+                         ["background", f"export tokenizer {export_dir}"])
     except ValueError as err:
         raise ValueError(f"{root}: the tokenizer differs from the background's ({bg_dir}): {err}") from None
 

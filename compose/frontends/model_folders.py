@@ -22,9 +22,8 @@ import torch
 from transformers import PreTrainedModel
 
 from compose.composed_lm import ComposedLM
-from compose.export import _load_tokenizer
+from compose.model_io import load_tokenizer, pretrained_causal_lm, torch_dtype
 
-DTYPES = ("float32", "bfloat16", "float16")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -57,20 +56,13 @@ def load_causal_lm(folder: str | os.PathLike, what: str = "model", *, dtype: str
     Raises:
         ValueError: a bad folder (:func:`check_model_folder`) or one that holds no causal LM.
     """
-    from transformers import AutoModelForCausalLM
-
     path = check_model_folder(folder, what)
-    kwargs = {"use_safetensors": True, "trust_remote_code": False}
-    if dtype is not None:
-        kwargs["dtype"] = _torch_dtype(dtype)
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    dtype = None if dtype is None else torch_dtype(dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = pretrained_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
     except (ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{what} {path}: not a causal LM ({first})") from None
-    model.eval()
     return model if device is None else model.to(device)
 
 
@@ -96,19 +88,11 @@ def compose_folders(background: str | os.PathLike, experts: Mapping[str, str | o
     tok_dir = Path(tokenizer).expanduser() if tokenizer is not None else bg_dir
     if not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
         raise ValueError(f"tokenizer {tok_dir}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)})")
-    tokenizers = [_load_tokenizer(tok_dir)] + [
-        _load_tokenizer(d) if any((d / f).is_file() for f in _TOKENIZER_FILES) else None for d in expert_dirs.values()
+    tokenizers = [load_tokenizer(tok_dir)] + [
+        load_tokenizer(d) if any((d / f).is_file() for f in _TOKENIZER_FILES) else None for d in expert_dirs.values()
     ]
     load = dict(dtype=dtype, device=device, attn_implementation=attn_implementation)
     bg_model = load_causal_lm(bg_dir, "background", **load)
     models = [load_causal_lm(d, f"expert {n!r}", **load) for n, d in expert_dirs.items()]
     return ComposedLM(bg_model, models, names=list(expert_dirs), weights=weights, tokenizer=tokenizers,
                       composition=composition)
-
-
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    return getattr(torch, dtype)

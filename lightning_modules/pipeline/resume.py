@@ -32,7 +32,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from compose.common import atomic_file, pause_point
+from compose.atomic import atomic_file, pause_point
 from data.splits import derive_seed
 from lightning_modules.pipeline.config import ConfigError
 

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
-from compose.common import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
+from compose.atomic import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
 from compose.distributed import sharded
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
