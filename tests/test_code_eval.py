@@ -292,6 +292,7 @@ FORGERS = {
         "            found.update({k: v for k, v in o.items() if isinstance(k, str) and k in ('token', 'marker_fd')})\n"
         "    if 'token' in found and 'marker_fd' in found:\n"
         "        os.write(found['marker_fd'], found['token'].encode())\n"
+        "        os._exit(0)\n"
         "    for fd in range(1, 64):\n"
         "        for line in (b'{\"done\": true}\\n', b'{\"status\": \"passed\", \"detail\": null}\\n'):\n"
         "            try:\n"
@@ -309,6 +310,7 @@ FORGERS = {
         "    while frame:\n"
         "        if 'token' in frame.f_locals and 'marker_fd' in frame.f_locals:\n"
         "            os.write(frame.f_locals['marker_fd'], frame.f_locals['token'].encode())\n"
+        "            os._exit(0)\n"
         "        frame = frame.f_back\n"
         "    sys.exit(0)\n"),
     "equal_to_all": (  # an object equal to anything, true, and its own negation's opposite
