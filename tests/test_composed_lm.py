@@ -50,6 +50,34 @@ def hf_generate(model, ids, mask, n=12, **kw):
 # ---------------------------------------------------------------------------------------------- parity
 
 
+@pytest.mark.parametrize("backend", ["adapters", "separate"])
+def test_decoding_step_surface_matches_scoring(backend):
+    """`step_modules`, `new_caches` and `component_logits` (what compose.decoding drives): a prefill then a cached
+    step give the teacher-forced logits of every component."""
+    ids, mask = left_padded_batch()
+    peft_model = tiny_peft("llama")
+    if backend == "adapters":
+        composed = ComposedLM.from_peft(peft_model, ["a", "b"])
+    else:
+        composed = ComposedLM(plain_copy(peft_model), [merged_copy(peft_model, n) for n in ("a", "b")])
+    modules = composed.step_modules()
+    assert len(modules) == (1 if backend == "adapters" else 3) and modules[0] is composed.base_model
+    caches = composed.new_caches()
+    assert len(caches) == len(modules)
+    background, experts = composed.component_logprobs(ids, mask)
+    reference = torch.cat([background[None], experts]).exp()
+    from compose.positions import position_ids
+
+    positions = position_ids(ids, mask)
+    with composed._running(ids.shape[0]):
+        first = composed.component_logits(ids[:, :-1], mask[:, :-1], positions[:, :-1], caches, last_only=True)
+        step = composed.component_logits(ids[:, -1:], mask, positions[:, -1:], caches, last_only=True)
+    assert first.shape == (3, ids.shape[0], 1, VOCAB) and step.shape == first.shape
+    torch.testing.assert_close(first[:, :, 0].softmax(-1), reference[:, :, -2], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(step[:, :, 0].softmax(-1), reference[:, :, -1], atol=1e-5, rtol=1e-4)
+
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_no_experts_equals_background_generate(arch):
     ids, mask = left_padded_batch()

@@ -11,7 +11,7 @@ import torch
 import yaml
 from tiny_models import VOCAB, char_tokenizer, tiny_model, tiny_peft
 
-from compose import ComposedLM, export_composition, load_manifest
+from compose import ComposedLM, Manifest, export_composition, load_manifest
 
 
 def batch():
@@ -147,6 +147,23 @@ def test_manifest_validation_names_key(tmp_path):
         with pytest.raises(ValueError, match="composition.yaml") as info:
             load_manifest(path)
         assert info.match(pattern)
+
+
+def test_manifest_dataclass_fills_defaults_and_checks_on_construction(tmp_path):
+    path, _ = export_lora(tmp_path / "export")
+    file = path / "composition.yaml"
+    data = yaml.safe_load(file.read_text())
+    data["experts"][0].pop("spec")
+    data["experts"][1]["weight"] = 2
+    data.pop("extra")
+    file.write_text(yaml.safe_dump(data))
+    manifest = Manifest.read(path)
+    assert manifest.file == file and manifest.extra == {} and manifest.experts[0]["spec"] == {}
+    assert manifest.experts[1]["weight"] == 2.0 and isinstance(manifest.experts[1]["weight"], float)
+    assert manifest.to_dict() == load_manifest(file)
+    with pytest.raises(ValueError, match=r"composition.yaml: key 'experts\[1\]\.name' repeats the expert name 'a2b'"):
+        Manifest(**{**manifest.to_dict(), "file": file,
+                    "experts": [dict(manifest.experts[0]), {**manifest.experts[0], "path": "experts/x"}]})
 
 
 # ---------------------------------------------------------------------------------------------- atomicity
