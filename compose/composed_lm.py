@@ -562,6 +562,10 @@ class ComposedLM(nn.Module):
         device = self.device
         eos, pad = self._special_tokens(eos_token_id, pad_token_id, device)
         input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, eos, pad, device)
+        if stopping_criteria is not None and pad is None:
+            raise ValueError("stopping_criteria need a pad_token_id (or an eos_token_id) to fill the rows that stopped")
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         gates = self._gates(gates, prompt_len=input_ids.shape[1])
         choose = _token_chooser(do_sample, temperature, top_k, top_p, generator)
         stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
@@ -575,11 +579,11 @@ class ComposedLM(nn.Module):
         mode = compile if isinstance(compile, str) else None  # True: torch's default mode
         with self._decoding(input_ids.shape[0], lazy, static_length, mode) as decode:
             return self._decode(decode, input_ids, attention_mask, max_new_tokens, gates, choose,
-                                _Finishing(eos, pad, stopper, input_ids.shape[1]))
+                                _Finishing(eos, pad, stopper, input_ids.shape[1], stopping_criteria), streamer)
 
     def _decode(self, decode: PlainSteps | CompiledSteps | LazySteps, input_ids: Tensor, attention_mask: Tensor,
                 max_new_tokens: int, gates: Sequence[Gate | None] | None,
-                choose: Callable[[Tensor, Tensor], Tensor], finishing: _Finishing) -> Tensor:
+                choose: Callable[[Tensor, Tensor], Tensor], finishing: _Finishing, streamer: Any = None) -> Tensor:
         """The decoding loop of :meth:`generate`: compose the step's logits, choose the next tokens, stop when every
         row has finished. ``decode`` is lazy exactly when it is a :class:`LazySteps`."""
         batch, device = input_ids.shape[0], input_ids.device
@@ -592,14 +596,18 @@ class ComposedLM(nn.Module):
             scores = self._composed_step(decode(input_ids, attention_mask, positions, active), masks, active)
             next_tokens = finishing.fill(choose(input_ids, scores), unfinished)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            done = finishing.done(next_tokens, input_ids)
+            done = finishing.done(next_tokens, input_ids, scores)
             if done is not None:
                 unfinished &= ~done
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
             if step == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
             following = next_position_ids(positions[:, -1:], next_tokens, self.position_restart)
             positions = torch.cat([positions, following], dim=-1)
+        if streamer is not None:
+            streamer.end()
         return input_ids
 
     def _composed_step(self, logits: Tensor, masks: Tensor | None, active: list[int] | None) -> Tensor:
@@ -744,26 +752,30 @@ def _token_chooser(do_sample: bool, temperature: float, top_k: int | None, top_p
 
 @dataclass
 class _Finishing:
-    """When a row of ``generate`` finishes (it emitted an EOS id, or its generated text holds a stop string) and
-    what fills it from then on (``pad``)."""
+    """When a row of ``generate`` finishes (it emitted an EOS id, its generated text holds a stop string, or the
+    caller's ``stopping_criteria`` says so) and what fills it from then on (``pad``)."""
 
     eos: Tensor | None
     pad: Tensor | None
     stopper: Any
     prompt_len: int
+    criteria: Callable[[Tensor, Tensor], Tensor] | None = None
 
     def fill(self, next_tokens: Tensor, unfinished: Tensor) -> Tensor:
         """``next_tokens`` with the finished rows' replaced by the pad token."""
-        if self.eos is None and self.stopper is None:
+        if self.eos is None and self.stopper is None and self.criteria is None:
             return next_tokens
         return torch.where(unfinished, next_tokens, self.pad)
 
-    def done(self, next_tokens: Tensor, input_ids: Tensor) -> Tensor | None:
-        """Bool ``[B]``: rows that finish with ``next_tokens`` (the last column of ``input_ids``); None when no row
-        can finish before ``max_new_tokens``."""
+    def done(self, next_tokens: Tensor, input_ids: Tensor, scores: Tensor | None = None) -> Tensor | None:
+        """Bool ``[B]``: rows that finish with ``next_tokens`` (the last column of ``input_ids``; ``scores`` are the
+        step's composed log-probs); None when no row can finish before ``max_new_tokens``."""
         done = None if self.eos is None else torch.isin(next_tokens, self.eos)
         if self.stopper is not None:
             stopped = self.stopper(input_ids[:, self.prompt_len:], None).to(next_tokens.device)
+            done = stopped if done is None else done | stopped
+        if self.criteria is not None:
+            stopped = torch.as_tensor(self.criteria(input_ids, scores), device=next_tokens.device).bool()
             done = stopped if done is None else done | stopped
         return done
 
