@@ -885,7 +885,9 @@ async def _chat_chunks(call: _Call, body: ChatRequest, model_name: str) -> Async
 def listening_socket(host: str, port: int) -> socket.socket:
     """A bound TCP socket (``port`` 0: a free one); raises ``OSError`` when the address is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it each streamed
+    # chunk on a kept-alive connection can wait ~40 ms for the client's delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
