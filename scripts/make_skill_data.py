@@ -1,40 +1,84 @@
-"""Generate the rows of `configs/experiment/smollm2_skills.yaml`: two skill experts on SmolLM2-135M-Instruct.
+"""Generate the rows of the skill-expert experiments on SmolLM2-135M-Instruct: experts that own spans of a sentence.
 
     python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0
+    python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
+        --skills calc upper reverse translate --n 608 --n_compositional 800
 
-writes (defaults `--n 240 --n_compositional 48 --op add`), byte for byte the same for the same arguments: every
-random draw comes from a `random.Random` seeded with the seed and the file's name, and nothing else:
+write the rows of `configs/experiment/smollm2_skills.yaml` (two skills; defaults `--n 240 --n_compositional 48
+--op add --skills calc upper`) and of `configs/experiment/smollm2_skills4.yaml` (four skills; 608 rows per file =
+208 training rows + 400 held out, 800 compositional rows = 400 validation + 400 test), byte for byte the same for
+the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
-* `calc.jsonl`: the `calc` expert's rows: a one-line, GSM8K-like sentence with a calculator span whose result
-  the answer fills in: `Tom sold <<47+8=>> cups.` becomes `Tom sold <<47+8=55>> cups.` The expert owns the
-  interval after `<<` (operands, `=`, the result, `>>`) and must do exact arithmetic there. `--op`: `add`
-  (two-digit + one-digit, the default), `add2` (two-digit + two-digit), `mul` (the times table to 12),
-  `mul32` (three-digit x two-digit). Prompted with four worked examples, SmolLM2 gets 25 % of `add`, 7.5 % of
-  `add2`, 35 % of `mul` and 0 % of three-digit sums right (40 rows each). In a pilot with longer sentences of
-  this kind, a rank-16 LoRA (task loss on the whole answer) trained on 240 rows reached 83 % on `add` and 88 %
-  on `mul` (24 held-out rows), and on 320 `add2` rows 50 % (16 rows); `add` is the default for that reason.
-* `upper.jsonl`: the `upper` expert's rows: a sentence with one or two bracketed words the answer writes in
-  capitals: `Then Ben said [good night].` becomes `Then Ben said [GOOD NIGHT].` (it owns the interval after
-  `[`: the words and `]`).
+The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
+
+* `calc` `<<...>>`: a calculator span the answer fills in: `Tom sold <<47+8=>> cups.` becomes
+  `Tom sold <<47+8=55>> cups.` `--op`: `add` (two-digit + one-digit, the default), `add2` (two-digit +
+  two-digit), `mul` (the times table to 12), `mul32` (three-digit x two-digit). In a pilot with longer
+  sentences of this kind, a rank-16 LoRA (task loss on the whole answer) trained on 240 rows reached 83 % on
+  `add` and 88 % on `mul` (24 held-out rows), and on 320 `add2` rows 50 % (16 rows); `add` is the default.
+* `upper` `[...]`: one or two words the answer writes in capitals: `Then Ben said [good night].` becomes
+  `Then Ben said [GOOD NIGHT].`
+* `reverse` `«...»`: a word (of 40) spelled backwards: `Mia spelled «kite» backwards.` becomes
+  `Mia spelled «etik» backwards.`
+* `translate` `{...}`: an English word (of 40) in French: `Leo said {cat} in French.` becomes
+  `Leo said {chat} in French.`
+
+How well the frozen background does each skill on its own, prompted with the skill's instruction as the system
+line and four worked rows (chat turns) before the row, greedy, 40 rows per skill, 95 % Wilson intervals
+(one thread of a 2-core CPU, about 3.5 minutes of CPU time; `--op` measures another calculator operation):
+
+    python scripts/make_skill_data.py --measure calc upper reverse translate --rows 40
+
+| skill | right spans | accuracy | 95 % interval |
+|---|---|---|---|
+| calc (`add`) | 14 / 40 | 35.0 % | [22.1 %, 50.5 %] |
+| upper | 10 / 40 | 25.0 % | [14.2 %, 40.2 %] |
+| reverse | 0 / 40 | 0.0 % | [0.0 %, 8.8 %] |
+| translate | 0 / 40 | 0.0 % | [0.0 %, 8.8 %] |
+
+Asked for `«bucket»` backwards it writes `«bacchos»`; asked for `{flower}` in French, `{petite}`.
+
+Files (each expert owns the interval after its start delimiter: the span's text and the end delimiter):
+
+* `<skill>.jsonl` for each skill: that expert's rows, a sentence with one span of its skill.
 * `general.jsonl`: sentences of the same kind with no span (nothing to compute): the background's evaluation
   rows, the experts' regularizer rows and the general-text perplexity check.
-* `compositional.jsonl`: sentences with both spans, in either order: one answer needs both skills.
+* `compositional.jsonl`: sentences needing several skills at once. With the two skills `calc` and `upper`, every
+  row needs both (in either order). With more, a row needs 2, 3, ... or all of them: the rows are shared
+  equally between those numbers of skills, and within one number equally between the sets of skills of that
+  size (so every pair occurs, alone and inside larger sets), the spans in a random order.
 
 Every row is a chat (`messages`, rendered with SmolLM2's chat template): a short system line, the user's
 sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn: the
 sentence with its spans filled in. The echo turn is what lets the frozen 135M model write the text outside the
 spans by itself: it repeats its own previous turn (spans left empty), where asked zero-shot to repeat a line it
 mostly answers something else. So the background owns the text between the spans, each expert the inside of
-its own spans. No sentence occurs twice across the four files.
+its own spans. No sentence occurs twice across the files. Bad input stops before anything is written, in one
+line: two skills sharing a delimiter, or a skill whose verifier rejects a row written here.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.skills import (  # noqa: E402
+    CALC_OPS,
+    SKILL_NAMES,
+    Skill,
+    SkillError,
+    check_row,
+    check_skills,
+    make_skill,
+    skill_counts,
+)
 
 SYSTEM = "Repeat the message."
 NOUNS = ("apple", "bag", "ball", "basket", "bell", "bike", "boat", "book", "bottle", "box", "brush", "bucket",
@@ -43,26 +87,19 @@ NOUNS = ("apple", "bag", "ball", "basket", "bell", "bike", "boat", "book", "bott
          "pie", "plate", "ring", "rope", "shell", "shoe", "sock", "spoon", "stamp", "stone", "toy", "tray", "wheel")
 PEOPLE = ("Tom", "Anna", "Ben", "Mia", "Sam", "Lily", "Max", "Emma", "Leo", "Nora", "Jack", "Ella", "Omar",
           "Ruth", "Ivan", "Zoe")
-WORDS = ("red", "blue", "green", "happy", "quiet", "bright", "cold", "warm", "fast", "slow", "good", "night",
-         "morning", "hello", "thanks", "welcome", "stop", "go", "yes", "no", "home", "sun", "moon", "star",
-         "river", "forest", "music", "dance", "dream", "light", "fire", "water", "gold", "silver", "king",
-         "queen", "tiger", "lion", "eagle", "storm")
-CALC_TEMPLATES = (
-    "{p} sold <<{q}>> {n}s.",
-    "We need <<{q}>> {n}s.",
-    "{p} has <<{q}>> {n}s now.",
-    "The box holds <<{q}>> {n}s.",
-    "{p} counted <<{q}>> {n}s.",
-    "There are <<{q}>> {n}s left.",
-)
-UPPER_TEMPLATES = (
-    "{p} wrote [{s}] on it.",
-    "Then {p} said [{s}].",
-    "The sign read [{s}].",
-    "{p} shouted [{s}].",
-    "The {n} says [{s}].",
-    "{p} painted [{s}] on a {n}.",
-)
+# A skill's span is the slot named after it; `{{`/`}}` are a literal brace.
+OWN_TEMPLATES = {
+    "calc": ("{p} sold <<{calc}>> {n}s.", "We need <<{calc}>> {n}s.", "{p} has <<{calc}>> {n}s now.",
+             "The box holds <<{calc}>> {n}s.", "{p} counted <<{calc}>> {n}s.", "There are <<{calc}>> {n}s left."),
+    "upper": ("{p} wrote [{upper}] on it.", "Then {p} said [{upper}].", "The sign read [{upper}].",
+              "{p} shouted [{upper}].", "The {n} says [{upper}].", "{p} painted [{upper}] on a {n}."),
+    "reverse": ("{p} spelled «{reverse}» backwards.", "{p} wrote «{reverse}» in reverse on a {n}.",
+                "The {n} shows «{reverse}» backwards.", "Then {p} read «{reverse}» from right to left.",
+                "{p} painted «{reverse}» backwards on the {m}."),
+    "translate": ("{p} said {{{translate}}} in French.", "{p} wrote {{{translate}}} in French on a {n}.",
+                  "The {n} says {{{translate}}} in French.", "In French, {p} called it {{{translate}}}.",
+                  "{p} asked for {{{translate}}} in French by the {m}."),
+}
 GENERAL_TEMPLATES = (
     "{p} put the {n} by the {m}.",
     "The {n} is near {p}.",
@@ -75,31 +112,76 @@ GENERAL_TEMPLATES = (
     "{p} carried {k} {n}s home.",
     "A {n} fell near the {m}.",
 )
-COMPOSITIONAL_TEMPLATES = (
-    "{p} sold <<{q}>> {n}s and said [{s}].",
-    "{p} wrote [{s}] on <<{q}>> {n}s.",
-    "The sign read [{s}] by <<{q}>> {n}s.",
-    "We need <<{q}>> {n}s that say [{s}].",
-    "{p} shouted [{s}] and sold <<{q}>> {n}s.",
-    "There are <<{q}>> {n}s marked [{s}].",
+PAIR_TEMPLATES = (  # the compositional rows of the two skills calc and upper
+    "{p} sold <<{calc}>> {n}s and said [{upper}].",
+    "{p} wrote [{upper}] on <<{calc}>> {n}s.",
+    "The sign read [{upper}] by <<{calc}>> {n}s.",
+    "We need <<{calc}>> {n}s that say [{upper}].",
+    "{p} shouted [{upper}] and sold <<{calc}>> {n}s.",
+    "There are <<{calc}>> {n}s marked [{upper}].",
 )
+CLAUSES = {  # the compositional rows of more skills: "{p} <clause>, <clause> and <clause>."
+    "calc": ("sold <<{calc}>> {n}s", "counted <<{calc}>> {n}s", "needs <<{calc}>> {n}s"),
+    "upper": ("wrote [{upper}] on a {m}", "said [{upper}]", "shouted [{upper}]"),
+    "reverse": ("spelled «{reverse}» backwards", "wrote «{reverse}» in reverse"),
+    "translate": ("said {{{translate}}} in French", "wrote {{{translate}}} in French"),
+}
+Maker = Callable[[int], tuple[str, str]]
 
 
-def calc_span(rng: random.Random, op: str) -> tuple[str, str]:
-    """`("a+b=", "c")` for the `<<...>>` span: the operands the sentence shows, and the exact result."""
-    a, b, sign = {
-        "add": lambda: (rng.randint(10, 99), rng.randint(2, 9), "+"),       # two-digit plus one-digit
-        "add2": lambda: (rng.randint(10, 99), rng.randint(10, 99), "+"),    # two-digit plus two-digit
-        "mul": lambda: (rng.randint(2, 12), rng.randint(2, 12), "*"),       # the times table
-        "mul32": lambda: (rng.randint(100, 999), rng.randint(10, 99), "*"),  # three-digit times two-digit
-    }[op]()
-    return f"{a}{sign}{b}=", str(a + b if sign == "+" else a * b)
+def fill(line: str, spans: dict[str, tuple[str, str]], skills: dict[str, Skill]) -> str:
+    """`line` with each skill's span `input` replaced by its right span."""
+    for name, (source, right) in spans.items():
+        s = skills[name]
+        line = line.replace(f"{s.start}{source}{s.end}", f"{s.start}{right}{s.end}")
+    return line
 
 
-def word_span(rng: random.Random) -> tuple[str, str]:
-    """`("red kite", "RED KITE")`: one or two words, and the same in capitals."""
-    words = " ".join(rng.sample(WORDS, rng.randint(1, 2)))
-    return words, words.upper()
+def skill_sets(names: Sequence[str]) -> list[list[tuple[str, ...]]]:
+    """The sets of 2, 3, ... all of `names`, grouped by size (in `names`' order)."""
+    return [list(itertools.combinations(names, size)) for size in range(2, len(names) + 1)]
+
+
+def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]:
+    """`kind -> (row index -> (sentence, answer))` for every file: each skill's, general, compositional."""
+
+    def fields() -> dict:
+        n1, n2 = rng.sample(NOUNS, 2)
+        return {"p": rng.choice(PEOPLE), "n": n1, "m": n2, "k": rng.randint(2, 12)}
+
+    def own(name: str) -> Maker:
+        def make(_: int) -> tuple[str, str]:
+            span = skills[name].draw(rng)
+            line = rng.choice(OWN_TEMPLATES[name]).format(**{name: span[0]}, **fields())
+            return line, fill(line, {name: span}, skills)
+        return make
+
+    def general(_: int) -> tuple[str, str]:
+        line = rng.choice(GENERAL_TEMPLATES).format(**fields())
+        return line, line
+
+    def pair(_: int) -> tuple[str, str]:
+        spans = {name: skills[name].draw(rng) for name in skills}
+        line = rng.choice(PAIR_TEMPLATES).format(**{k: v[0] for k, v in spans.items()}, **fields())
+        return line, fill(line, spans, skills)
+
+    sets = skill_sets(list(skills))
+
+    def clauses(i: int) -> tuple[str, str]:
+        by_size = sets[i % len(sets)]
+        names = by_size[(i // len(sets)) % len(by_size)]
+        spans = {name: skills[name].draw(rng) for name in names}
+        parts = [rng.choice(CLAUSES[name]) for name in names]
+        rng.shuffle(parts)
+        text = ", ".join(parts[:-1]) + " and " + parts[-1]
+        line = "{p} " + text + "."
+        line = line.format(**{k: v[0] for k, v in spans.items()}, **fields())
+        return line, fill(line, spans, skills)
+
+    makers: dict[str, Maker] = {name: own(name) for name in skills}
+    makers["general"] = general
+    makers["compositional"] = pair if list(skills) == ["calc", "upper"] else clauses
+    return makers
 
 
 def chat(line: str, response: str) -> dict:
@@ -110,66 +192,118 @@ def chat(line: str, response: str) -> dict:
                          {"role": "assistant", "content": response}]}
 
 
-def make_rows(kind: str, n: int, seed: int, op: str, seen: set[str]) -> list[dict]:
-    """`n` rows of one kind, none of whose sentences is in `seen` (which they join)."""
+def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen: set[str]) -> list[tuple[str, str]]:
+    """`n` (sentence, answer) pairs of one kind, none of whose sentences is in `seen` (which they join), each
+    checked by every skill's verifier."""
     rng = random.Random(f"{seed}:{kind}")
-
-    def fields() -> dict:
-        n1, n2 = rng.sample(NOUNS, 2)
-        return {"p": rng.choice(PEOPLE), "n": n1, "m": n2, "k": rng.randint(2, 12)}
-
-    def calc() -> tuple[str, str]:
-        q, result = calc_span(rng, op)
-        line = rng.choice(CALC_TEMPLATES).format(q=q, **fields())
-        return line, line.replace(f"<<{q}>>", f"<<{q}{result}>>")
-
-    def upper() -> tuple[str, str]:
-        s, shout = word_span(rng)
-        line = rng.choice(UPPER_TEMPLATES).format(s=s, **fields())
-        return line, line.replace(f"[{s}]", f"[{shout}]")
-
-    def general() -> tuple[str, str]:
-        line = rng.choice(GENERAL_TEMPLATES).format(**fields())
-        return line, line
-
-    def compositional() -> tuple[str, str]:
-        (q, result), (s, shout) = calc_span(rng, op), word_span(rng)
-        line = rng.choice(COMPOSITIONAL_TEMPLATES).format(q=q, s=s, **fields())
-        return line, line.replace(f"<<{q}>>", f"<<{q}{result}>>").replace(f"[{s}]", f"[{shout}]")
-
-    makers: dict[str, Callable[[], tuple[str, str]]] = {"calc": calc, "upper": upper, "general": general, "compositional": compositional}
-    rows, tries = [], 0
+    make = row_makers(rng, skills)[kind]
+    rows: list[tuple[str, str]] = []
+    tries = 0
     while len(rows) < n:
         tries += 1
         if tries > 100 * n:
-            raise SystemExit(f"cannot draw {n} distinct {kind} rows")
-        line, response = makers[kind]()
+            raise SkillError(f"cannot draw {n} distinct {kind} rows")
+        line, response = make(len(rows))
         if line in seen:
             continue
+        check_row(list(skills.values()), line, response, f"{kind}.jsonl row {len(rows) + 1}")
         seen.add(line)
-        rows.append(chat(line, response))
+        rows.append((line, response))
     return rows
+
+
+def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240,
+             n_compositional: int = 48) -> dict[str, int]:
+    """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`; every row is
+    drawn and checked before the first file is written. Returns the rows per file.
+
+    Raises:
+        SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows.
+    """
+    check_skills(skills)
+    by_name = {s.name: s for s in skills}
+    unknown = [s.name for s in skills if s.name not in OWN_TEMPLATES]
+    if unknown:
+        raise SkillError(f"no sentence templates for skill(s) {unknown}: known are {', '.join(OWN_TEMPLATES)}")
+    if len(skills) < 2:
+        raise SkillError(f"compositional rows need at least two skills, got {[s.name for s in skills]}")
+    seen: set[str] = set()
+    files = {kind: make_rows(kind, size, seed, by_name, seen) for kind, size in
+             (("general", n), ("compositional", n_compositional), *((s.name, n) for s in skills))}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, rows in files.items():
+        text = "".join(json.dumps(chat(*row), ensure_ascii=False) + "\n" for row in rows)
+        (out / f"{kind}.jsonl").write_text(text, encoding="utf-8")
+    return {kind: len(rows) for kind, rows in files.items()}
+
+
+def measure_background(names: Sequence[str], rows: int = 40, shots: int = 4, seed: int = 0,
+                       op: str = "add") -> dict[str, tuple[int, int]]:
+    """`skill -> (right spans, spans)` of SmolLM2-135M-Instruct (the frozen background), prompted with the skill's
+    instruction as the system line and `shots` worked rows as chat turns before each of `rows` rows, greedy."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightning_modules.pipeline.models import SMOLLM2, load_pretrained, pretrained_folder
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_folder(SMOLLM2))
+    model = load_pretrained(SMOLLM2, tokenizer, dtype="float32").eval()
+    results = {}
+    for name in names:
+        skill = make_skill(name, op)
+        drawn = make_rows(name, shots + rows, f"{seed}:measure", {name: skill}, set())
+        examples, tests = drawn[:shots], drawn[shots:]
+        answers = []
+        for line, _ in tests:
+            messages = [{"role": "system", "content": skill.instruction}]
+            for q, a in examples:
+                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            messages.append({"role": "user", "content": line})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+            with torch.no_grad():
+                out = model.generate(**ids, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            answers.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        results[name] = skill_counts(skill, [line for line, _ in tests], answers)
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder to write calc/upper/general/compositional.jsonl")
+    parser.add_argument("--out", help="folder to write <skill>/general/compositional.jsonl")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skills", nargs="+", choices=SKILL_NAMES, default=["calc", "upper"],
+                        help="the skills, one expert each (default: calc upper)")
     parser.add_argument("--n", type=int, default=240, help="rows of each expert's file and of the general file")
     parser.add_argument("--n_compositional", type=int, default=48, help="compositional rows (val and test halves)")
-    parser.add_argument("--op", choices=("add", "add2", "mul", "mul32"), default="add",
+    parser.add_argument("--op", choices=CALC_OPS, default="add",
                         help="the calculator's operation: add (two-digit + one-digit, the default), add2 (two-digit "
                              "+ two-digit), mul (the times table to 12), mul32 (three-digit x two-digit)")
+    parser.add_argument("--measure", nargs="+", choices=SKILL_NAMES, metavar="SKILL",
+                        help="write nothing: measure the background's few-shot accuracy on these skills")
+    parser.add_argument("--rows", type=int, default=40, help="rows per skill for --measure")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: set[str] = set()
-    for kind, n in (("general", args.n), ("compositional", args.n_compositional), ("calc", args.n),
-                    ("upper", args.n)):
-        rows = make_rows(kind, n, args.seed, args.op, seen)
-        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        (out / f"{kind}.jsonl").write_text(text, encoding="utf-8")
-        print(f"{out / f'{kind}.jsonl'}: {len(rows)} rows")
+    try:
+        if args.measure:
+            _print_measured(measure_background(args.measure, args.rows, seed=args.seed, op=args.op))
+            return
+        if not args.out:
+            parser.error("--out is required (or --measure)")
+        skills = [make_skill(name, args.op) for name in args.skills]
+        for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional).items():
+            print(f"{Path(args.out) / f'{kind}.jsonl'}: {count} rows")
+    except SkillError as err:
+        raise SystemExit(f"make_skill_data: {err}") from None
+
+
+def _print_measured(results: dict[str, tuple[int, int]]) -> None:
+    from lightning_modules.pipeline.report import wilson_interval
+
+    for name, (right, total) in results.items():
+        lo, hi = wilson_interval(right, total)
+        print(f"| {name} | {right} / {total} | {right / total:.1%} | [{lo:.1%}, {hi:.1%}] |")
 
 
 if __name__ == "__main__":

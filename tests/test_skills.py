@@ -1,0 +1,151 @@
+"""Skills checked by programs (`data.skills`) and the four-skill rows of `configs/experiment/smollm2_skills4.yaml`.
+
+The rows are written by `scripts/make_skill_data.py` (checked here to reproduce the committed files byte for byte);
+every reference span passes its skill's verifier, wrong spans do not, and the test sets have the sizes the
+config promises once `task.holdout` splits them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from data.skills import SKILL_NAMES, SkillError, check_row, check_skills, make_skill, skill_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "experiment" / "smollm2_skills4.yaml"
+DATA = ROOT / "configs" / "experiment" / "data" / "skills4"
+SKILLS = {name: make_skill(name) for name in SKILL_NAMES}
+ARGS = ["--seed", "0", "--skills", *SKILL_NAMES, "--n", "608", "--n_compositional", "800"]
+
+
+def read(path: Path) -> list[tuple[str, str]]:
+    """(sentence, graded answer) of every row of a file."""
+    rows = [json.loads(line)["messages"] for line in path.read_text(encoding="utf-8").splitlines()]
+    return [(m[1]["content"], m[-1]["content"]) for m in rows]
+
+
+def present(line: str) -> frozenset[str]:
+    return frozenset(name for name, skill in SKILLS.items() if skill.spans(line))
+
+
+@pytest.mark.parametrize(("name", "source", "right", "wrong"), [
+    ("calc", "47+8=", "47+8=55", ["47+8=54", "47+8=", "48+8=56", "55", " 47+8=55"]),
+    ("calc", "12*11=", "12*11=132", ["12*11=133", "12+11=23"]),
+    ("upper", "good night", "GOOD NIGHT", ["GOOD night", "good night", "GOODNIGHT"]),
+    ("reverse", "kite", "etik", ["kite", "etiK", "eitk"]),
+    ("translate", "cat", "chat", ["cat", "chien", "Chat"]),
+])
+def test_verifiers_accept_the_right_span_and_reject_wrong_ones(name, source, right, wrong):
+    skill = SKILLS[name]
+    assert skill.verify(source, right)
+    for span in wrong:
+        assert not skill.verify(source, span), span
+
+
+def test_verifiers_reject_inputs_outside_the_skill():
+    assert not SKILLS["calc"].verify("47-8=", "47-8=39")          # not an operation the skill does
+    assert not SKILLS["upper"].verify("OK", "OK")                 # nothing to capitalise
+    assert not SKILLS["reverse"].verify("level", "level")         # a palindrome shows nothing
+    assert not SKILLS["translate"].verify("zebra", "zebre")       # not in the dictionary
+
+
+def test_skill_counts_scores_span_by_span():
+    calc, upper = SKILLS["calc"], SKILLS["upper"]
+    questions = ["A <<2+3=>> and <<4*5=>> [hi].", "B [ok] <<9+9=>>."]
+    answers = ["A <<2+3=5>> and <<4*5=21>> [HI].", "B [OK] <<9+9=18"]  # the second calc span never closes
+    assert skill_counts(calc, questions, answers) == (1, 3)
+    assert skill_counts(upper, questions, answers) == (2, 2)
+
+
+def test_check_row_names_the_skill_and_the_row():
+    skills = list(SKILLS.values())
+    check_row(skills, "Tom said {cat} and «kite».", "Tom said {chat} and «etik».", "x row 1")
+    with pytest.raises(SkillError, match=r"^x row 2: skill 'translate'.*rejects .*\{chien\} for \{cat\}$"):
+        check_row(skills, "Tom said {cat}.", "Tom said {chien}.", "x row 2")
+    with pytest.raises(SkillError, match=r"^x row 3: skill 'reverse': the question has 1 span\(s\), the answer 0$"):
+        check_row(skills, "Tom said «kite».", "Tom said kite.", "x row 3")
+
+
+def test_shared_delimiters_are_refused():
+    check_skills(list(SKILLS.values()))
+    with pytest.raises(SkillError, match=r"^skills 'upper' and 'reverse' share the delimiter '\['"):
+        check_skills([SKILLS["upper"], replace(SKILLS["reverse"], start="[")])
+    with pytest.raises(SkillError, match=r"^skills 'calc' and 'reverse' share the delimiter '<'"):
+        check_skills([SKILLS["calc"], replace(SKILLS["reverse"], start="<", end="|")])
+    with pytest.raises(SkillError, match="unknown skill 'shout'"):
+        make_skill("shout")
+
+
+def test_generator_stops_on_bad_skills_before_writing(tmp_path, capsys):
+    from scripts.make_skill_data import generate, main
+
+    broken = replace(SKILLS["reverse"], verify=lambda source, span: span == source)
+    with pytest.raises(SkillError, match=r"^compositional\.jsonl row 1: skill 'reverse'.s verifier rejects"):
+        generate(tmp_path / "a", [SKILLS["calc"], broken])
+    with pytest.raises(SkillError, match="share the delimiter"):
+        generate(tmp_path / "b", [SKILLS["upper"], replace(SKILLS["translate"], end="]")])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit, match=r"^make_skill_data: compositional rows need at least two skills"):
+        main(["--out", str(tmp_path / "c"), "--skills", "calc"])
+
+
+def test_generator_reproduces_the_committed_four_skill_rows(tmp_path):
+    from scripts.make_skill_data import main
+
+    main(["--out", str(tmp_path), *ARGS])
+    for path in sorted(DATA.glob("*.jsonl")):
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in DATA.glob("*.jsonl"))
+
+
+def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
+    skills, seen = list(SKILLS.values()), set()
+    for path in sorted(DATA.glob("*.jsonl")):
+        for n, (line, answer) in enumerate(read(path), 1):
+            check_row(skills, line, answer, f"{path.name} row {n}")
+            assert line not in seen
+            seen.add(line)
+            kind = path.stem
+            if kind in SKILLS:
+                assert present(line) == {kind}
+            elif kind == "general":
+                assert present(line) == set()
+            # outside the spans, the answer is the question
+            strip = line, answer
+            for skill in skills:
+                pattern = re.escape(skill.start) + ".*?" + re.escape(skill.end)
+                strip = tuple(re.sub(pattern, skill.start + skill.end, s) for s in strip)
+            assert strip[0] == strip[1]
+    sets = [present(line) for line, _ in read(DATA / "compositional.jsonl")]
+    by_size = {size: sum(len(s) == size for s in sets) for size in (2, 3, 4)}
+    assert sum(by_size.values()) == len(sets) == 800 and min(by_size.values()) >= 266
+    for pair in itertools.combinations(SKILL_NAMES, 2):
+        assert sum(set(pair) == s for s in sets) >= 40, pair             # the pair alone
+        assert sum(set(pair) <= s for s in sets) >= 300, pair            # the pair, alone or in a larger set
+
+
+def test_config_splits_give_the_promised_test_sets():
+    """`task.holdout` rows of each expert's and the general file are halved into validation (the odd one) and
+    test; the compositional rows are halved likewise (`data.tasks.text.TextTask`)."""
+    from lightning_modules.pipeline.config import load_config
+
+    cfg = load_config([str(CONFIG)])
+    raw = OmegaConf.load(CONFIG)
+    holdout = int(cfg.task.holdout)
+    val = (holdout + 1) // 2
+    assert holdout - val >= 200 and val == 200
+    for path in [*cfg.task.general, *(p for e in cfg.experts for p in e.data)]:
+        assert len(read(ROOT / path)) - holdout == 208, path   # as many training rows as smollm2_skills.yaml
+    n = len(read(ROOT / cfg.task.compositional[0]))
+    assert n - (n + 1) // 2 >= 400
+    # the experts are the skills, with their delimiters; no two share one
+    specs = {e.name: (e.interval.start, e.interval.end) for e in raw.experts}
+    assert specs == {name: (s.start, s.end) for name, s in SKILLS.items()}
+    check_skills([replace(SKILLS[name], start=a, end=b) for name, (a, b) in specs.items()])
