@@ -2,11 +2,12 @@
 
     python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0
     python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
-        --skills calc upper reverse translate --n 608 --n_compositional 800
+        --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
 
 write the rows of `configs/experiment/smollm2_skills.yaml` (two skills; defaults `--n 240 --n_compositional 48
 --op add --skills calc upper`) and of `configs/experiment/smollm2_skills4.yaml` (four skills; 608 rows per file =
-208 training rows + 400 held out, 800 compositional rows = 400 validation + 400 test), byte for byte the same for
+208 training rows + 400 held out, 800 compositional rows = 400 validation + 400 test) and its two-expert variant
+`smollm2_skills4_k2.yaml` (`compositional_calc_upper.jsonl`), byte for byte the same for
 the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
 The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
@@ -47,6 +48,8 @@ Files (each expert owns the interval after its start delimiter: the span's text 
   row needs both (in either order). With more, a row needs 2, 3, ... or all of them: the rows are shared
   equally between those numbers of skills, and within one number equally between the sets of skills of that
   size (so every pair occurs, alone and inside larger sets), the spans in a random order.
+* `compositional_<a>_<b>.jsonl` (`--pair a b`): sentences of that kind needing exactly the skills `a` and `b`,
+  for a composition of those two experts alone.
 
 Every row is a chat (`messages`, rendered with SmolLM2's chat template): a short system line, the user's
 sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn: the
@@ -169,7 +172,9 @@ def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]
 
     def clauses(i: int) -> tuple[str, str]:
         by_size = sets[i % len(sets)]
-        names = by_size[(i // len(sets)) % len(by_size)]
+        return clause_row(by_size[(i // len(sets)) % len(by_size)])
+
+    def clause_row(names: Sequence[str]) -> tuple[str, str]:
         spans = {name: skills[name].draw(rng) for name in names}
         parts = [rng.choice(CLAUSES[name]) for name in names]
         rng.shuffle(parts)
@@ -181,6 +186,8 @@ def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]
     makers: dict[str, Maker] = {name: own(name) for name in skills}
     makers["general"] = general
     makers["compositional"] = pair if list(skills) == ["calc", "upper"] else clauses
+    for names in itertools.combinations(skills, 2):
+        makers["compositional_" + "_".join(names)] = lambda _, names=names: clause_row(names)
     return makers
 
 
@@ -212,10 +219,11 @@ def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen
     return rows
 
 
-def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240,
-             n_compositional: int = 48) -> dict[str, int]:
-    """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`; every row is
-    drawn and checked before the first file is written. Returns the rows per file.
+def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240, n_compositional: int = 48,
+             pairs: Sequence[Sequence[str]] = ()) -> dict[str, int]:
+    """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`, and for each
+    pair `(a, b)` of `pairs` a `compositional_a_b.jsonl` of `n_compositional` rows needing exactly those two
+    skills; every row is drawn and checked before the first file is written. Returns the rows per file.
 
     Raises:
         SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows.
@@ -227,9 +235,15 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
         raise SkillError(f"no sentence templates for skill(s) {unknown}: known are {', '.join(OWN_TEMPLATES)}")
     if len(skills) < 2:
         raise SkillError(f"compositional rows need at least two skills, got {[s.name for s in skills]}")
+    order = [s.name for s in skills]
+    for pair in pairs:
+        if len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(order):
+            raise SkillError(f"--pair {' '.join(pair)}: name two different skills of {', '.join(order)}")
+    pair_files = ["compositional_" + "_".join(sorted(pair, key=order.index)) for pair in pairs]
     seen: set[str] = set()
     files = {kind: make_rows(kind, size, seed, by_name, seen) for kind, size in
-             (("general", n), ("compositional", n_compositional), *((s.name, n) for s in skills))}
+             (("general", n), ("compositional", n_compositional), *((s.name, n) for s in skills),
+              *((kind, n_compositional) for kind in pair_files))}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, rows in files.items():
@@ -281,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--op", choices=CALC_OPS, default="add",
                         help="the calculator's operation: add (two-digit + one-digit, the default), add2 (two-digit "
                              "+ two-digit), mul (the times table to 12), mul32 (three-digit x two-digit)")
+    parser.add_argument("--pair", nargs=2, action="append", default=[], metavar="SKILL",
+                        help="also write compositional_A_B.jsonl: --n_compositional rows needing exactly skills A and "
+                             "B (repeatable)")
     parser.add_argument("--measure", nargs="+", choices=SKILL_NAMES, metavar="SKILL",
                         help="write nothing: measure the background's few-shot accuracy on these skills")
     parser.add_argument("--rows", type=int, default=40, help="rows per skill for --measure")
@@ -292,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.out:
             parser.error("--out is required (or --measure)")
         skills = [make_skill(name, args.op) for name in args.skills]
-        for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional).items():
+        for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional, args.pair).items():
             print(f"{Path(args.out) / f'{kind}.jsonl'}: {count} rows")
     except SkillError as err:
         raise SystemExit(f"make_skill_data: {err}") from None

@@ -20,9 +20,10 @@ from data.skills import SKILL_NAMES, SkillError, check_row, check_skills, make_s
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "experiment" / "smollm2_skills4.yaml"
+CONFIG_K2 = ROOT / "configs" / "experiment" / "smollm2_skills4_k2.yaml"
 DATA = ROOT / "configs" / "experiment" / "data" / "skills4"
 SKILLS = {name: make_skill(name) for name in SKILL_NAMES}
-ARGS = ["--seed", "0", "--skills", *SKILL_NAMES, "--n", "608", "--n_compositional", "800"]
+ARGS = ["--seed", "0", "--skills", *SKILL_NAMES, "--n", "608", "--n_compositional", "800", "--pair", "calc", "upper"]
 
 
 def read(path: Path) -> list[tuple[str, str]]:
@@ -94,6 +95,9 @@ def test_generator_stops_on_bad_skills_before_writing(tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with pytest.raises(SystemExit, match=r"^make_skill_data: compositional rows need at least two skills"):
         main(["--out", str(tmp_path / "c"), "--skills", "calc"])
+    with pytest.raises(SystemExit, match=r"^make_skill_data: --pair calc reverse: name two different skills of calc, upper$"):
+        main(["--out", str(tmp_path / "d"), "--pair", "calc", "reverse"])
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
 def test_generator_reproduces_the_committed_four_skill_rows(tmp_path):
@@ -117,6 +121,8 @@ def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
                 assert present(line) == {kind}
             elif kind == "general":
                 assert present(line) == set()
+            elif kind == "compositional_calc_upper":
+                assert present(line) == {"calc", "upper"}
             # outside the spans, the answer is the question
             strip = line, answer
             for skill in skills:
@@ -131,13 +137,14 @@ def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
         assert sum(set(pair) <= s for s in sets) >= 300, pair            # the pair, alone or in a larger set
 
 
-def test_config_splits_give_the_promised_test_sets():
+@pytest.mark.parametrize("files", [[CONFIG], [CONFIG, CONFIG_K2]], ids=["k4", "k2"])
+def test_config_splits_give_the_promised_test_sets(files):
     """`task.holdout` rows of each expert's and the general file are halved into validation (the odd one) and
     test; the compositional rows are halved likewise (`data.tasks.text.TextTask`)."""
     from lightning_modules.pipeline.config import load_config
 
-    cfg = load_config([str(CONFIG)])
-    raw = OmegaConf.load(CONFIG)
+    cfg = load_config([str(f) for f in files])
+    raw = OmegaConf.merge(*(OmegaConf.load(f) for f in files))
     holdout = int(cfg.task.holdout)
     val = (holdout + 1) // 2
     assert holdout - val >= 200 and val == 200
@@ -147,5 +154,8 @@ def test_config_splits_give_the_promised_test_sets():
     assert n - (n + 1) // 2 >= 400
     # the experts are the skills, with their delimiters; no two share one
     specs = {e.name: (e.interval.start, e.interval.end) for e in raw.experts}
-    assert specs == {name: (s.start, s.end) for name, s in SKILLS.items()}
+    assert specs == {name: (s.start, s.end) for name, s in SKILLS.items() if name in specs}
+    assert len(specs) == (4 if len(files) == 1 else 2)
+    needed = {frozenset(present(line)) for line, _ in read(ROOT / cfg.task.compositional[0])}
+    assert set().union(*needed) == set(specs)  # the rows need exactly the experts in play
     check_skills([replace(SKILLS[name], start=a, end=b) for name, (a, b) in specs.items()])
