@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
 
     from omegaconf import OmegaConf
 
+    from compose.distributed import is_leader
     from lightning_modules.pipeline.config import ConfigError, load_config
-    from lightning_modules.pipeline.ranks import is_leader
 
     if not is_leader():  # a rank > 0 that Lightning's DDP launcher started: rank 0 prints (and writes) for all
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)

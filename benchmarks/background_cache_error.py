@@ -26,20 +26,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_task(run: Path):
+    """The run's config and its task, as `train.py` built it."""
+    from lightning_modules.pipeline.build import build_task
+    from lightning_modules.pipeline.config import load_config
+
+    cfg = load_config([str(run / "config.yaml")])
+    return cfg, build_task(cfg)
+
+
 def load_run(run: Path):
-    """The run's config, task (as `plan_run` builds it), and the exported background with every expert adapter."""
+    """The run's config, task (`run_task`), and the exported background with every expert adapter."""
     from peft import PeftModel
 
     from compose.export import load_manifest
-    from data.tasks import Expert, task_class
-    from lightning_modules.pipeline.config import expert_spec, load_config, task_settings
     from lightning_modules.pipeline.models import load_pretrained
-    from lightning_modules.pipeline.stages import model_tokenizer
 
-    cfg = load_config([str(run / "config.yaml")])
-    experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
-    task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed,
-                                     tokenizer=model_tokenizer(cfg))
+    cfg, task = run_task(run)
     export = run / "export"
     manifest = load_manifest(export)
     background = load_pretrained(export / manifest["background"]["path"], task.tokenizer)
@@ -53,10 +56,9 @@ def load_run(run: Path):
 
 def batches_of(cfg, task, n: int) -> list[dict]:
     """The first `n` training batches of the experts stage, with the cache's per-row corruption."""
-    from data.datamodule import TaskDataModule
+    from lightning_modules.pipeline.build import build_datamodule
 
-    dm = TaskDataModule(task, "experts", cfg.data.batch_size * len(cfg.experts), cfg.expert.corruption_prob,
-                        0, cfg.seed, corruption_variants=1)
+    dm = build_datamodule(cfg, task, "experts", corruption_variants=1)
     out = []
     for batch in dm.train_dataloader():
         out.append(batch)

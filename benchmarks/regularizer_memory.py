@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode import _rss_mb  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lightning_modules.expert import ExpertLM  # noqa: E402
+from lightning_modules.expert import ExpertLM, ExpertSettings  # noqa: E402
 
 
 def training_batch(batch: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -62,8 +62,9 @@ def probe(vocab: int, length: int, chunk: int, batch: int) -> dict:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=length)
-    module = _NotLogging(LlamaForCausalLM(config), ["e1", "e2"], lora_r=4, reg_weight=3.0, temperature=3.0,
-                         log_every_n_steps=2, loss_chunk_size=chunk or None)
+    settings = ExpertSettings(lora_r=4, reg_weight=3.0, temperature=3.0, log_every_n_steps=2,
+                              loss_chunk_size=chunk or None)
+    module = _NotLogging(LlamaForCausalLM(config), ["e1", "e2"], settings)
     module.log = lambda *args, **kwargs: None
     data = training_batch(batch, length, vocab)
     before = _rss_mb("VmRSS")

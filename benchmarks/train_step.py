@@ -4,7 +4,7 @@ The default experiment's set-up (``configs/default.yaml``): a Llama background (
 heads, intermediate 256, the A–Z character vocabulary), two experts A→B and C→D trained at once, 64 rows
 per expert (128 rows a step), inputs of 8–16 letters with prefix corruption 0.2. Rows of the table:
 
-* ``plain`` — ``ExpertLM(reg_weight=0)``: one expert forward (LoRA: one mixed-adapter forward) +
+* ``plain`` — ``reg_weight=0`` (``ExpertSettings``): one expert forward (LoRA: one mixed-adapter forward) +
   backward + AdamW step. ``log_every_n_steps`` is set huge, so the background logits that the λ=0 path
   computes for logging (every ``log_every_n_steps`` steps) are never computed on a timed step; the
   script counts background forwards on timed steps and prints the count.
@@ -13,7 +13,7 @@ per expert (128 rows a step), inputs of 8–16 letters with prefix corruption 0.
   (peft ``disable_adapter()``; the frozen copy in full fine-tuning). Every row of the table trains on the
   same batches, built with the recipe's ``reg_data``.
 * ``cached bg`` — the regularized step with the background cache on (``expert.background_cache``:
-  ``ExpertLM(background_top_k=--top-k)``, batches keyed by row and corruption variant): every timed batch
+  ``background_top_k=--top-k``, batches keyed by row and corruption variant): every timed batch
   was seen before (its rows hit the cache), as in every epoch from the ``variants``-th on. The cache is
   filled before the first repetition; the fill is timed apart (the line under the table).
 * ``cached bg, first sight`` — the same with an empty cache at the start of each fit: every batch misses,
@@ -84,10 +84,8 @@ def build(args):
     """The default experiment's config, its task, the experts' data module and fixed training batches."""
     import lightning.pytorch as pl
 
-    from data.datamodule import TaskDataModule
-    from data.tasks import Expert, task_class
-    from lightning_modules.pipeline.config import expert_spec, load_config, task_settings
-    from lightning_modules.pipeline.stages import model_tokenizer
+    from lightning_modules.pipeline.build import build_datamodule, build_task
+    from lightning_modules.pipeline.config import load_config
 
     cfg = load_config([str(c) for c in args.config], args.override, base=ROOT / "configs" / "default.yaml")
     if "n_train" in cfg.task:  # a synthetic task: enough rows per expert for the fixed batches
@@ -95,11 +93,8 @@ def build(args):
         cfg.task.n_test = 1
     pl.seed_everything(cfg.seed, verbose=False)
     # as the experts stage builds them: every expert trained, `data.batch_size` rows per expert per step
-    experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
-    task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed,
-                                     tokenizer=model_tokenizer(cfg))
-    dm = TaskDataModule(task, "experts", cfg.data.batch_size * len(experts), cfg.expert.corruption_prob,
-                        cfg.data.num_workers, cfg.seed, corruption_variants=1)
+    task = build_task(cfg)
+    dm = build_datamodule(cfg, task, "experts", corruption_variants=1)
     batches = []
     for batch in dm.train_dataloader():
         batches.append(batch)
@@ -108,19 +103,18 @@ def build(args):
     return cfg, dm, task, batches
 
 
-def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: str | None,
+def make_module(cfg, task, mode: str, reg_weight: float, background_path: str | None,
                 top_k: int | None = None):
-    """An ``ExpertLM`` of the experiment, with a counter of background forwards; ``top_k``: the background
-    cache on (``background_top_k``)."""
+    """The experiment's ``ExpertLM`` as the experts stage builds it (``pipeline.build.build_expert``), in ``mode``
+    with ``reg_weight`` and ``top_k`` (the background cache, ``background_top_k``), logging never, and with a
+    counter of background forwards."""
+    import dataclasses
+
     import torch
 
     from lightning_modules.expert import ExpertLM
-    from lightning_modules.pipeline.models import (
-        build_causal_lm,
-        load_options,
-        load_pretrained,
-        pretrained_folder,
-    )
+    from lightning_modules.pipeline.build import build_expert, expert_background, expert_settings
+    from lightning_modules.pipeline.models import build_causal_lm, pretrained_folder
 
     class BenchExpertLM(ExpertLM):
         def __init__(self, *a, **kw) -> None:
@@ -134,19 +128,13 @@ def make_module(cfg, tokenizer, mode: str, reg_weight: float, background_path: s
     torch.manual_seed(cfg.seed)
     background_path = background_path or cfg.background.path
     if background_path:
-        options = load_options(cfg.model, cfg.trainer, frozen=mode == "lora")
-        background = load_pretrained(pretrained_folder(background_path, "background.path"), tokenizer, **options)
+        background = expert_background(cfg, pretrained_folder(background_path, "background.path"), task.tokenizer,
+                                       mode)
     else:
-        background = build_causal_lm(cfg.model, tokenizer)
-    e = cfg.expert
-    target = e.lora.target_modules
-    return BenchExpertLM(
-        background, [x.name for x in cfg.experts], mode=mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
-        target_modules=target if isinstance(target, str) else list(target), reg_weight=reg_weight,
-        divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
-        task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr,
-        warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, log_every_n_steps=10**9, background_top_k=top_k,
-    )
+        background = build_causal_lm(cfg.model, task.tokenizer, task.feature_map)
+    settings = dataclasses.replace(expert_settings(cfg), mode=mode, reg_weight=reg_weight, background_top_k=top_k,
+                                   log_every_n_steps=10**9)
+    return build_expert(cfg, task, background, settings=settings, module_class=BenchExpertLM)
 
 
 def _targets(modules) -> str:
@@ -293,13 +281,13 @@ def main() -> None:
     modules, fills = {}, {}
     for mode in modes:
         for kind, (weight, top_k) in kinds.items():
-            module = make_module(cfg, task.tokenizer, mode, weight, args.background, top_k)
+            module = make_module(cfg, task, mode, weight, args.background, top_k)
             if kind == CACHED:
                 fills[mode] = fill_cost(module, batches)
             modules[mode, kind] = module
 
     # Validation is timed on a module of its own: composing it for evaluation must not change the timed ones.
-    val_module = None if args.no_validation else make_module(cfg, task.tokenizer, "lora", lam, args.background)
+    val_module = None if args.no_validation else make_module(cfg, task, "lora", lam, args.background)
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in modules}
     bg_calls: dict[tuple[str, str], int] = dict.fromkeys(modules, 0)
     comp_ms: list[float] = []

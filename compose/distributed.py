@@ -10,7 +10,9 @@ one rank) both are the plain single-process computation.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,35 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+# Set by the launchers for every rank: Lightning's subprocess launcher (LOCAL_RANK, NODE_RANK), torchrun (RANK).
+_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK")
+T = TypeVar("T")
+
+
+def is_leader() -> bool:
+    """Whether this process is global rank 0 (also: the only process of a single-process run). Before the process
+    group exists, the launcher's rank variables say."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return all(os.environ.get(key, "0") == "0" for key in _RANK_ENV)
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process or before the ranks have met)."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
+
+
+def agree(decide: Callable[[], T]) -> T:
+    """Rank 0's `decide()`, on every rank (the others do not call it); `decide()` itself in a single process."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return decide()
+    box = [decide() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def sharded(model: Any) -> Any:

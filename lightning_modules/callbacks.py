@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from transformers import PreTrainedModel
 
 from compose.distributed import sharded
 from compose.export import export_composition
 from data.tasks import Task, settings_node
-from lightning_modules.pipeline.models import load_pretrained
 
 
 @contextmanager
@@ -74,6 +74,7 @@ class ExportForComposition(pl.Callback):
         weights: per expert name, its composition weight.
         background_path: the clean background's HF folder (LoRA wraps the live model in place, so the
             export's copy is read from here).
+        load_background: reads that folder into a model (the pipeline passes its own loader).
         copy_background: copy the background into the export (self-contained) or store a reference to it.
         extra: free-form metadata for the manifest (config, metrics). The settings of the task the experts
             were trained on (the trainer's datamodule's task) are added as `task_settings` (its `task:` node),
@@ -81,10 +82,11 @@ class ExportForComposition(pl.Callback):
     """
 
     def __init__(self, path: str | Path, tokenizer, specs: Mapping[str, dict], weights: Mapping[str, float],
-                 background_path: str | Path, copy_background: bool = True, extra: dict | None = None,
-                 overwrite: bool = False) -> None:
+                 background_path: str | Path, load_background: Callable[[Path], PreTrainedModel],
+                 copy_background: bool = True, extra: dict | None = None, overwrite: bool = False) -> None:
         self.path, self.tokenizer, self.specs, self.weights = Path(path), tokenizer, dict(specs), dict(weights)
         self.background_path, self.copy_background = Path(background_path).resolve(), copy_background
+        self.load_background = load_background
         self.extra, self.overwrite = extra, overwrite
 
     @torch.no_grad()
@@ -96,7 +98,7 @@ class ExportForComposition(pl.Callback):
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = pl_module.names
-        background = load_pretrained(self.background_path) if self.copy_background else None
+        background = self.load_background(self.background_path) if self.copy_background else None
         ref = None if self.copy_background else str(self.background_path)
         extra = dict(self.extra or {})
         task = getattr(trainer.datamodule, "task", None)
@@ -105,7 +107,7 @@ class ExportForComposition(pl.Callback):
         common = dict(tokenizer=self.tokenizer, background=background, background_ref=ref,
                       weights={n: self.weights.get(n, 1.0) for n in names},
                       specs={n: self.specs.get(n, {}) for n in names}, extra=extra, overwrite=self.overwrite)
-        if pl_module.hparams.mode == "lora":
+        if pl_module.settings.mode == "lora":
             export_composition(self.path, peft_model=pl_module.peft_model, adapter_names=names, **common)
         else:
             export_composition(self.path, expert_models={n: pl_module.experts[n] for n in names}, **common)

@@ -9,8 +9,10 @@ fine-tuning each expert is its own copy and the background a frozen copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -29,10 +31,131 @@ from compose.modules import eval_mode
 from compose.positions import model_position_ids
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
-from losses import IGNORE_INDEX, off_mask_divergence, region_positions, task_nll
+from losses import IGNORE_INDEX, check_divergence_args, off_mask_divergence, region_positions, task_nll
 from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
 from losses.chunked import Head, RowSum, chunked_row_sums
 from losses.features import FeatureMap, feature_divergence, feature_masks, owned_matrix
+
+Mode = Literal["lora", "full", "head"]
+Regularizer = Literal["token", "features"]
+MODES: tuple[str, ...] = get_args(Mode)
+REGULARIZERS: tuple[str, ...] = get_args(Regularizer)
+_ANY = object()  # a reference to a setting that names no value
+
+
+def setting_name(name: str | None, value: Any = _ANY) -> str:
+    """How `ExpertSettings`' errors name a setting: `loss_chunk_size`, `regularizer='features'`, or a bare value."""
+    if name is None:
+        return repr(value)
+    return name if value is _ANY else f"{name}={value!r}"
+
+
+class SettingsError(ValueError):
+    """Settings of `ExpertSettings` that do not go together.
+
+    `template` refers to settings by placeholder; `refs` maps each placeholder to `(field,)`, `(field, value)` or
+    `(None, value)`. The message names them with `setting_name`; `render` names them another way (the pipeline
+    words them as its config keys), so each rule is written once.
+    """
+
+    def __init__(self, template: str, **refs: tuple) -> None:
+        self.template, self.refs = template, refs
+        super().__init__(self.render(setting_name))
+
+    def render(self, name: Callable[..., str]) -> str:
+        return self.template.format(**{key: name(*ref) for key, ref in self.refs.items()})
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    """How `ExpertLM` trains its experts: one frozen object, checked on construction (`__post_init__` holds every
+    rule about which settings go together). The defaults are the config schema's (`expert:` of `train.py`).
+
+    Attributes:
+        mode: "lora" (peft adapters), "full" (a full copy per expert) or "head" (a copy per expert whose output
+            layer alone trains: the linear setting of METHOD.md §2).
+        lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
+        reg_weight: λ of the regularizer; 0 is plain fine-tuning.
+        divergence, jsd_beta, temperature: the divergence `D`, a name in `losses.DIVERGENCES`.
+        task_loss_on_mask_only: score the task NLL on mask positions only.
+        lr, weight_decay, warmup_ratio, max_steps: AdamW and its warm-up/cosine schedule.
+        active_threshold: divergence above which a position counts as active (precision/recall).
+        log_every_n_steps: how often the per-expert training metrics are computed and logged.
+        regularizer: "token" (`off_mask_divergence`) or "features" (`losses.feature_divergence`: per feature
+            marginal of the task's feature map, off the mask on the features an expert owns, everywhere on the
+            others).
+        background_top_k: None: the regularizer runs the background on every batch. An integer `k`: the
+            background's distribution at each off-mask target position is cached (`losses.background_cache`: its
+            top-k tokens and the tail mass) the first time a (row, corruption variant) is seen, and read from the
+            cache after that; training batches must carry `row_index` and `corruption_variant`
+            (`TaskDataModule(corruption_variants=n)`). Exact when `k` covers the vocabulary.
+        position_jump: 0, or the largest random jump of each training row's position ids, for the expert and its
+            background alike (`lightning_modules.background.training_position_ids`).
+        loss_chunk_size: None: the training losses take the full `[B, T, V]` logits. An integer `c`: they are
+            computed `c` positions at a time from the models' final hidden states, each block's logits recomputed
+            in backward (`losses.chunked`): the same losses, with ~`B·c·V` logits held instead of `B·T·V`.
+    """
+
+    mode: Mode = "lora"
+    lora_r: int = 8
+    lora_alpha: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
+    reg_weight: float = 3.0
+    divergence: str = "forward_kl"
+    jsd_beta: float = 0.5
+    temperature: float = 3.0
+    task_loss_on_mask_only: bool = False
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    max_steps: int = 150
+    active_threshold: float = 0.01
+    log_every_n_steps: int = 25
+    regularizer: Regularizer = "token"
+    background_top_k: int | None = None
+    position_jump: int = 0
+    loss_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
+        if self.regularizer not in REGULARIZERS:
+            raise ValueError(f"regularizer={self.regularizer!r} is not one of {', '.join(REGULARIZERS)}")
+        check_divergence_args(self.divergence, self.jsd_beta, self.temperature)
+        chunk = self.loss_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"loss_chunk_size must be a positive number of positions or None, got {chunk!r}")
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """The settings that do not go together, each rule once."""
+        chunk, cache, none = ("loss_chunk_size",), ("background_top_k",), (None, None)
+        if self.position_jump and self.background_top_k is not None:
+            raise SettingsError("{jump} cannot be used with {cache} (the cache holds one set of positions per row): "
+                                "set one of them to 0 / {none}", jump=("position_jump",), cache=cache, none=none)
+        if self.background_top_k is not None and self.divergence not in CACHE_KINDS:
+            kinds = list(CACHE_KINDS)
+            raise SettingsError("{cache} needs {divergence} " + f"{', '.join(kinds[:-1])} or {kinds[-1]} "
+                                f"({self.divergence} is not cacheable: it needs the background's full distribution); "
+                                "set {no_cache}", cache=cache, divergence=("divergence",), no_cache=(*cache, None))
+        if self.loss_chunk_size is None:
+            return
+        if self.background_top_k is not None:  # the cache gathers off-mask positions of the whole batch at once
+            raise SettingsError("{chunk} cannot be used with {cache}: set one of them to {none}", chunk=chunk,
+                                cache=cache, none=none)
+        if self.regularizer == "features":  # `feature_divergence` has no block-wise form
+            raise SettingsError("{chunk} cannot be used with {features}: use {token} or {no_chunk}", chunk=chunk,
+                                features=("regularizer", "features"), token=("regularizer", "token"),
+                                no_chunk=(*chunk, None))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain data (what a checkpoint's and the logs' hyperparameters record)."""
+        values = asdict(self)
+        if not isinstance(self.target_modules, str):
+            values["target_modules"] = list(self.target_modules)
+        return values
 
 
 class ExpertLM(pl.LightningModule):
@@ -44,115 +167,71 @@ class ExpertLM(pl.LightningModule):
     Args:
         background: the background HF causal LM (frozen; LoRA adapters are attached to it).
         names: the experts trained here; a batch's `expert_index` indexes this list.
-        mode: "lora" (peft adapters), "full" (a full copy per expert) or "head" (a copy per expert whose
-            output layer alone trains: the linear setting of METHOD.md §2).
-        lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
-        reg_weight: λ of the regularizer; 0 is plain fine-tuning.
-        divergence, jsd_beta, temperature: the divergence `D` (see `losses.divergence`).
-        task_loss_on_mask_only: score the task NLL on mask positions only.
+        settings: how they train (`ExpertSettings`).
         frozen_adapters: {name: adapter folder} of experts trained earlier, loaded (not trained) so
             they join the composition evaluated in validation.
         weights: composition weight per expert name (default 1).
-        active_threshold: divergence above which a position counts as active (precision/recall).
-        regularizer: "token" (`off_mask_divergence`) or "features" (`losses.feature_divergence`: per feature
-            marginal of `feature_map`, off the mask on the features an expert owns, everywhere on the others).
         feature_map, owned_features: the task's token bijection and, per expert name, the features it owns
-            (default: all), for `regularizer="features"`.
-        background_top_k: None (default): the regularizer runs the background on every batch. An integer `k`:
-            the background's distribution at each off-mask target position is cached (`losses.background_cache`:
-            its top-k tokens and the tail mass) the first time a (row, corruption variant) is seen, and read
-            from the cache after that; training batches must carry `row_index` and `corruption_variant`
-            (`TaskDataModule(corruption_variants=n)`). Exact when `k` covers the vocabulary.
-        position_jump: 0, or the largest random jump of each training row's position ids, for the expert and its
-            background alike (`lightning_modules.background.training_position_ids`); not with
-            `background_top_k` (the cache holds one set of positions per row).
-        loss_chunk_size: None (default): the training losses take the full `[B, T, V]` logits. An integer `c`: they
-            are computed `c` positions at a time from the models' final hidden states, each block's logits
-            recomputed in backward (`losses.chunked`): the same losses, with ~`B·c·V` logits held instead of
-            `B·T·V`; not with `background_top_k` or `regularizer="features"`.
+            (default: all), for `settings.regularizer="features"`.
     """
 
-    def __init__(
-        self,
-        background: PreTrainedModel,
-        names: Sequence[str],
-        *,
-        mode: str = "lora",
-        lora_r: int = 8,
-        lora_alpha: int = 16,
-        target_modules: str | Sequence[str] = "all-linear",
-        reg_weight: float = 1.0,
-        divergence: str = "forward_kl",
-        jsd_beta: float = 0.5,
-        temperature: float = 1.0,
-        task_loss_on_mask_only: bool = False,
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        warmup_ratio: float = 0.1,
-        max_steps: int = 150,
-        frozen_adapters: Mapping[str, str] | None = None,
-        weights: Mapping[str, float] | None = None,
-        active_threshold: float = 0.01,
-        log_every_n_steps: int = 25,
-        regularizer: str = "token",
-        feature_map: FeatureMap | None = None,
-        owned_features: Mapping[str, Sequence[str]] | None = None,
-        background_top_k: int | None = None,
-        position_jump: int = 0,
-        loss_chunk_size: int | None = None,
-    ) -> None:
+    def __init__(self, background: PreTrainedModel, names: Sequence[str], settings: ExpertSettings = ExpertSettings(),
+                 *, frozen_adapters: Mapping[str, str] | None = None, weights: Mapping[str, float] | None = None,
+                 feature_map: FeatureMap | None = None,
+                 owned_features: Mapping[str, Sequence[str]] | None = None) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
-        _check_loss_chunk_size(loss_chunk_size, background_top_k, regularizer)
-        if position_jump and background_top_k is not None:
-            raise ValueError("position_jump cannot be used with background_top_k (the background cache)")
-        self.background_cache: BackgroundCache | None = None
-        if background_top_k is not None:
-            if divergence not in CACHE_KINDS:
-                raise ValueError(f"background_top_k (the background cache) needs divergence in {', '.join(CACHE_KINDS)}, "
-                                 f"got {divergence!r}")
-            self.background_cache = BackgroundCache(background_top_k, temperatures=(temperature, 1.0))
-        self.save_hyperparameters(ignore=["background", "feature_map"])
-        self.names = list(names)
-        self.feature_map = feature_map
-        if regularizer not in ("token", "features"):
-            raise ValueError(f"regularizer={regularizer!r} is not one of token, features")
-        if regularizer == "features":
-            if feature_map is None:
-                raise ValueError("regularizer='features' needs a feature_map")
+        if frozen_adapters and settings.mode != "lora":
+            raise ValueError("frozen_adapters (compose_with) needs mode='lora'")
+        if settings.regularizer == "features" and feature_map is None:
+            raise ValueError("regularizer='features' needs a feature_map")
+        self.settings, self.names, self.frozen_names = settings, list(names), list(frozen_adapters or {})
+        self.weights, self.feature_map = dict(weights or {}), feature_map
+        self.save_hyperparameters({**settings.to_dict(), "names": self.names,
+                                   "frozen_adapters": dict(frozen_adapters or {}), "weights": self.weights,
+                                   "owned_features": {k: list(v) for k, v in (owned_features or {}).items()}})
+        self.background_cache = (None if settings.background_top_k is None else
+                                 BackgroundCache(settings.background_top_k, temperatures=(settings.temperature, 1.0)))
+        if settings.regularizer == "features":
             self.register_buffer("owned", owned_matrix(self.names, owned_features or {}, feature_map), persistent=False)
-        self.frozen_names = list(frozen_adapters or {})
         for p in background.parameters():
             p.requires_grad_(False)
-        if mode == "lora":
-            config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, bias="none",
-                                target_modules=target_modules, task_type="CAUSAL_LM")
-            self.model: nn.Module = get_peft_model(background, config, adapter_name=self.names[0])
-            for name in self.names[1:]:
-                self.model.add_adapter(name, config)
-            for name, path in (frozen_adapters or {}).items():
-                self.model.load_adapter(path, adapter_name=name, is_trainable=False)
-            self.model.set_requires_grad(self.names, True)
-        elif mode in ("full", "head"):
-            if frozen_adapters:
-                raise ValueError("frozen_adapters (compose_with) needs mode='lora'")
-            self.background = background.eval()
-            self.experts = nn.ModuleDict({n: copy.deepcopy(background) for n in self.names})
-            for expert in self.experts.values():
-                # "head": only the output layer trains: logits are linear in the trained parameters, the
-                # setting where task arithmetic equals composition (METHOD.md §2).
-                trainable = expert.get_output_embeddings() if mode == "head" else expert
-                if mode == "head" and expert.get_output_embeddings().weight is expert.get_input_embeddings().weight:
-                    raise ValueError("mode='head' needs untied input/output embeddings")
-                for p in trainable.parameters():
-                    p.requires_grad_(True)
+        if settings.mode == "lora":
+            self._attach_adapters(background, frozen_adapters or {})
         else:
-            raise ValueError(f"mode={mode!r} is not one of lora, full, head")
+            self._copy_experts(background)
         metric = lambda region: nn.ModuleDict({n: MaskedDivergence(region=region) for n in self.names})  # noqa: E731
         self.val_off_mask_kl, self.val_on_mask_kl = metric("off"), metric("on")
         self.val_nll = nn.ModuleDict({n: MeanMetric() for n in self.names})
-        self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=active_threshold) for n in self.names})
+        self.val_active = nn.ModuleDict({n: ActiveSetPrecisionRecall(threshold=settings.active_threshold)
+                                         for n in self.names})
+
+    def _attach_adapters(self, background: PreTrainedModel, frozen_adapters: Mapping[str, str]) -> None:
+        """`mode="lora"`: one trainable adapter per expert on the background, and the frozen ones loaded."""
+        s = self.settings
+        targets = s.target_modules if isinstance(s.target_modules, str) else list(s.target_modules)
+        config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, bias="none",
+                            target_modules=targets, task_type="CAUSAL_LM")
+        self.model: nn.Module = get_peft_model(background, config, adapter_name=self.names[0])
+        for name in self.names[1:]:
+            self.model.add_adapter(name, config)
+        for name, path in frozen_adapters.items():
+            self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+        self.model.set_requires_grad(self.names, True)
+
+    def _copy_experts(self, background: PreTrainedModel) -> None:
+        """`mode="full"` or `"head"`: a trainable copy per expert (its output layer alone for "head": logits are
+        then linear in the trained parameters, the setting where task arithmetic equals composition, METHOD.md
+        §2) beside the frozen background."""
+        head = self.settings.mode == "head"
+        if head and background.get_output_embeddings().weight is background.get_input_embeddings().weight:
+            raise ValueError("mode='head' needs untied input/output embeddings")
+        self.background = background.eval()
+        self.experts = nn.ModuleDict({n: copy.deepcopy(background) for n in self.names})
+        for expert in self.experts.values():
+            for p in (expert.get_output_embeddings() if head else expert).parameters():
+                p.requires_grad_(True)
 
     # --- forwards -----------------------------------------------------------------------------
     def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
@@ -161,7 +240,7 @@ class ExpertLM(pl.LightningModule):
         to the model's own (`compose.common.model_position_ids`)."""
         if position_ids is None:
             position_ids = model_position_ids(self._background_model, input_ids, attention_mask)
-        if self.hparams.mode == "lora":
+        if self.settings.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             with eval_mode(self.model):
                 return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -187,7 +266,7 @@ class ExpertLM(pl.LightningModule):
         """
         if position_ids is None:
             position_ids = model_position_ids(self._background_model, input_ids, attention_mask)
-        if self.hparams.mode != "lora":
+        if self.settings.mode != "lora":
             with eval_mode(self.background):  # Trainer.fit's train() reaches the frozen copy too
                 return self.background(input_ids=input_ids, attention_mask=attention_mask,
                                        position_ids=position_ids).logits
@@ -211,7 +290,7 @@ class ExpertLM(pl.LightningModule):
                       position_ids: Tensor | None) -> list[tuple[Tensor, Head, Tensor]]:
         """`(rows, output head, its input [rows, T, d])` of each row's own expert, as `expert_logits` runs them: one
         mixed-adapter forward under LoRA, one per expert with rows otherwise."""
-        if self.hparams.mode == "lora":
+        if self.settings.mode == "lora":
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             # peft's `adapter_names=` holds only for one forward; the hooks stay for the head's own check too
             with eval_mode(self.model), peft_adapter_names(self.model, adapter_names):
@@ -230,7 +309,7 @@ class ExpertLM(pl.LightningModule):
     def _background_head(self, input_ids: Tensor, attention_mask: Tensor,
                          position_ids: Tensor | None) -> tuple[Head, Tensor]:
         """`(output head, its input [B, T, d])` of the background, as `background_logits` runs it."""
-        if self.hparams.mode != "lora":
+        if self.settings.mode != "lora":
             with eval_mode(self.background):
                 return _split_head(self.background, input_ids, attention_mask, position_ids)
         with self._adapters_disabled():
@@ -242,7 +321,7 @@ class ExpertLM(pl.LightningModule):
     @property
     def _background_model(self) -> nn.Module:
         """The model whose config says how positions count (under LoRA, the PeftModel around the background)."""
-        return self.peft_model if self.hparams.mode == "lora" else self.background
+        return self.peft_model if self.settings.mode == "lora" else self.background
 
     @property
     def peft_model(self) -> PeftModel:
@@ -253,17 +332,17 @@ class ExpertLM(pl.LightningModule):
 
     def composed_model(self, tokenizer=None, names: Sequence[str] | None = None) -> ComposedLM:
         """The background composed with `names` (default: every expert in play, trained and frozen)."""
-        weights = self.hparams.weights or {}
+        weights = self.weights
         names = list(names) if names is not None else self.names + self.frozen_names
         w = [float(weights.get(n, 1.0)) for n in names]
-        if self.hparams.mode == "lora":
+        if self.settings.mode == "lora":
             return ComposedLM.from_peft(self.peft_model, names, weights=w, tokenizer=tokenizer)
         return ComposedLM(self.background, [self.experts[n] for n in names], weights=w, names=names,
                           tokenizer=tokenizer)
 
     # --- training -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        h = self.hparams
+        h = self.settings
         log_now = self.global_step % h.log_every_n_steps == 0
         # the same (jumped) positions for the expert and its background
         positions = training_position_ids(self._background_model, batch, h.position_jump)
@@ -283,7 +362,7 @@ class ExpertLM(pl.LightningModule):
     def _plain_losses(self, batch: dict[str, Tensor], positions: Tensor | None,
                       log_now: bool) -> tuple[Tensor, Tensor | None]:
         """The task NLL and the regularizer (None when λ = 0), from the `[B, T, V]` logits of expert and background."""
-        h = self.hparams
+        h = self.settings
         ids, attn, targets = batch["input_ids"], batch["attention_mask"], batch["targets"]
         own_mask = batch["masks"][:, 0]  # each training row carries its own expert's mask
         expert_index, is_task = batch["expert_index"], batch["is_task"].bool()
@@ -302,7 +381,7 @@ class ExpertLM(pl.LightningModule):
                         log_now: bool) -> tuple[Tensor, Tensor | None]:
         """`_plain_losses` `loss_chunk_size` positions at a time (`losses.chunked`): the same sums over the same
         positions, normalised alike (by the count of scored / off-mask target positions), never `[B, T, V]`."""
-        h = self.hparams
+        h = self.settings
         targets, own_mask, is_task = batch["targets"], batch["masks"][:, 0], batch["is_task"].bool()
         scored, off = task_targets(batch, h.task_loss_on_mask_only), region_positions(targets, own_mask, "off")
         terms = [RowSum(scored != IGNORE_INDEX, scored)]
@@ -326,7 +405,7 @@ class ExpertLM(pl.LightningModule):
         sums = None
         for rows, head, hidden in self._expert_heads(ids, attn, batch["expert_index"], positions):
             part = chunked_row_sums(head, hidden, bg_head, None if bg_hidden is None else bg_hidden[rows],
-                                    [t.part(rows=rows) for t in terms], self.hparams.loss_chunk_size)
+                                    [t.part(rows=rows) for t in terms], self.settings.loss_chunk_size)
             sums = (part.new_zeros(len(terms), ids.shape[0]) if sums is None else sums).index_copy(1, rows, part)
         return sums
 
@@ -353,7 +432,7 @@ class ExpertLM(pl.LightningModule):
                          expert_index: Tensor) -> Tensor:
         """The regularizer (before λ): `off_mask_divergence`, or with `regularizer="features"` the per-feature
         `feature_divergence`, each row's expert free only on its mask and only on the features it owns."""
-        h = self.hparams
+        h = self.settings
         kwargs = dict(kind=h.divergence, beta=h.jsd_beta, temperature=h.temperature)
         if h.regularizer != "features":
             return off_mask_divergence(logits, bg, targets, own_mask, **kwargs)
@@ -425,26 +504,13 @@ class ExpertLM(pl.LightningModule):
         return bool(count > 0)
 
     def configure_optimizers(self) -> dict:
-        h = self.hparams
+        h = self.settings
         return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
 
 
 def _mean(row_sums: Tensor, row_counts: Tensor) -> Tensor:
     """A sum over rows divided by its count of positions (at least 1), as `task_nll` and `off_mask_divergence` do."""
     return row_sums.sum() / row_counts.sum().clamp_min(1)
-
-
-def _check_loss_chunk_size(chunk: int | None, background_top_k: int | None, regularizer: str) -> None:
-    """Refuse a `loss_chunk_size` that is not a positive int, or one with what the block-wise losses do not do."""
-    if chunk is None:
-        return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"loss_chunk_size must be a positive number of positions or None, got {chunk!r}")
-    if background_top_k is not None:  # the cache gathers off-mask positions of the whole batch at once
-        raise ValueError("loss_chunk_size cannot be used with background_top_k (the background cache): set one to None")
-    if regularizer == "features":  # `feature_divergence` has no block-wise form here (yet)
-        raise ValueError("loss_chunk_size cannot be used with regularizer='features': use regularizer='token' or "
-                         "loss_chunk_size=None")
 
 
 def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[str]) -> Head:

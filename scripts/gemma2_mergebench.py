@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 BACKGROUND, COMPOSITION, TASK_ARITHMETIC = "background", "composition", "task_arithmetic"
 CODE_FORMATS = ("humaneval", "mbppplus")
@@ -108,52 +107,23 @@ class MergeBenchConfig:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> DictConfig:
-    """The config file merged over the schema, then ``key=value`` overrides, resolved (see also
-    :func:`check_config`, which imports the framework).
+    """The config file merged over the schema, then ``key=value`` overrides, resolved (the pipeline's loader,
+    :func:`lightning_modules.pipeline.config.merge_config`; see also :func:`check_config`).
 
     Raises:
         ValueError: one line naming the file or override and the key (unknown keys get close matches).
     """
-    schema = OmegaConf.structured(MergeBenchConfig)
-    if not Path(path).is_file():
-        raise ValueError(f"config file not found: {path}")
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ValueError(f"override {bad[0]!r} is not of the form dotted.key=value")
-    cfg = schema
-    for source, update in ((str(path), lambda: OmegaConf.load(path)),
-                           ("command line", lambda: OmegaConf.from_dotlist(list(overrides)))):
-        try:
-            cfg = OmegaConf.merge(cfg, update())
-        except OmegaConfBaseException as err:
-            raise _explain(err, schema, source) from None
-        except Exception as err:  # yaml errors
-            raise ValueError(f"{source}: {str(err).splitlines()[0]}") from None
+    from lightning_modules.pipeline.config import ConfigError, merge_config
+
+    cfg = merge_config(MergeBenchConfig, [str(path)], list(overrides))
     try:
         OmegaConf.resolve(cfg)
         missing = sorted(OmegaConf.missing_keys(cfg))
     except OmegaConfBaseException as err:
-        raise _explain(err, schema, str(path)) from None
+        raise ConfigError(f"{path}: {(getattr(err, 'msg', None) or str(err)).splitlines()[0]}") from None
     if missing:
         raise ValueError(f"{path}: key '{missing[0]}' has no value")
     return cfg
-
-
-def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ValueError:
-    key = getattr(err, "full_key", None) or ""
-    msg = (getattr(err, "msg", None) or str(err) or type(err).__name__).splitlines()[0]
-    if isinstance(err, ConfigKeyError | ConfigAttributeError) and key:
-        keys = [k for k, _ in _walk(OmegaConf.to_container(schema))]
-        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
-        return ValueError(f"{source}: unknown config key '{key}'" + (f"; did you mean {', '.join(close)}?" if close else ""))
-    return ValueError(f"{source}: bad value for '{key}': {msg}" if key else f"{source}: {msg}")
-
-
-def _walk(node: Any, prefix: str = ""):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield f"{prefix}{k}", v
-            yield from _walk(v, f"{prefix}{k}.")
 
 
 def check_config(cfg: DictConfig) -> None:

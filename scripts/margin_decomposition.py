@@ -19,13 +19,15 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compose import ComposedLM  # noqa: E402
 from compose.metrics import margin_decomposition  # noqa: E402
-from data.tasks import Expert, Task, TaskError, task_class  # noqa: E402
-from lightning_modules.pipeline.config import ConfigError, expert_spec, load_config, task_settings  # noqa: E402
+from data.tasks import Task  # noqa: E402
+from lightning_modules.pipeline.build import build_task  # noqa: E402
+from lightning_modules.pipeline.config import ConfigError, load_config  # noqa: E402
 
 QUANTILES = (0.01, 0.05, 0.5)
 
@@ -45,6 +47,17 @@ def export_task(export: Path) -> tuple[ComposedLM, Task]:
 
 def run_task(run: Path) -> tuple[ComposedLM, Task]:
     """A run's exported composed model and its own task (held-out inputs avoid its training rows)."""
+    cfg, task = config_task(run)
+    model = ComposedLM.from_manifest(run / "export").eval()
+    if list(model.names) != task.expert_names or model.tokenizer.get_vocab() != task.tokenizer.get_vocab():
+        raise SystemExit(f"{run}: the export (experts {model.names}) does not match config.yaml "
+                         f"(experts {task.expert_names}, task.alphabet={cfg.task.alphabet})")
+    return model, task
+
+
+def config_task(run: Path) -> tuple[DictConfig, Task]:
+    """A run's config and its own task, as `train.py` built it (held-out inputs avoid its training rows,
+    regularizer rows included)."""
     try:
         cfg = load_config([str(run / "config.yaml")])
     except ConfigError as e:
@@ -54,18 +67,10 @@ def run_task(run: Path) -> tuple[ComposedLM, Task]:
                          f"(task.name={cfg.task.name}, format={cfg.task.get('format')})")
     if cfg.composition.compose_with:
         raise SystemExit(f"{run}: composed with earlier exports; its export holds only this run's experts")
-    model = ComposedLM.from_manifest(run / "export").eval()
-    # the run's own task: held-out inputs avoid its training rows, regularizer rows included
-    experts = [Expert(e.name, expert_spec(e), float(e.weight)) for e in cfg.experts]
     try:
-        task = task_class(cfg.task.name)(task_settings(cfg), experts, reg_data=cfg.expert.reg_data, seed=cfg.seed,
-                                         allow_overlap=cfg.composition.allow_overlap)
-    except TaskError as e:
+        return cfg, build_task(cfg)
+    except ConfigError as e:
         raise SystemExit(f"{run}: {e}") from None
-    if list(model.names) != task.expert_names or model.tokenizer.get_vocab() != task.tokenizer.get_vocab():
-        raise SystemExit(f"{run}: the export (experts {model.names}) does not match config.yaml "
-                         f"(experts {task.expert_names}, task.alphabet={cfg.task.alphabet})")
-    return model, task
 
 
 def main(run: Path) -> None:

@@ -10,7 +10,7 @@ from data.datamodule import TaskDataModule
 from data.tasks import Expert
 from data.tasks.letters import LettersConfig, LettersTask
 from data.tokenizer import build_char_tokenizer
-from lightning_modules.expert import ExpertLM
+from lightning_modules.expert import ExpertLM, ExpertSettings
 from lightning_modules.pipeline.config import ConfigError, ModelConfig, load_config
 from lightning_modules.pipeline.models import build_causal_lm
 from losses import divergence, off_mask_divergence, region_positions
@@ -205,8 +205,8 @@ def tiny_background(tokenizer):
 def test_cached_background_matches_a_fresh_forward(task):
     tokenizer = build_char_tokenizer(ALPHABET)
     vocab = len(tokenizer)
-    module = ExpertLM(tiny_background(tokenizer), [e.name for e in EXPERTS], temperature=3.0,
-                      background_top_k=vocab)
+    settings = ExpertSettings(temperature=3.0, background_top_k=vocab)
+    module = ExpertLM(tiny_background(tokenizer), [e.name for e in EXPERTS], settings)
     dm = TaskDataModule(task, "experts", 16, 0.5, seed=3, corruption_variants=1)
     loader = dm.train_dataloader()
     first = _take(loader, 2 * len(loader))  # epoch 1 holds the same corrupted rows as epoch 0, in other batches
@@ -230,9 +230,9 @@ def test_training_with_the_cache_gives_the_same_losses(task, kind):
     steps = 2 * len(dm.train_dataloader())
     losses = {}
     for top_k in (None, len(tokenizer)):
-        module = LossRecorder(tiny_background(tokenizer), [e.name for e in EXPERTS], divergence=kind,
-                              temperature=3.0, max_steps=steps, lr=1e-2, log_every_n_steps=2,
-                              background_top_k=top_k)
+        settings = ExpertSettings(divergence=kind, temperature=3.0, max_steps=steps, lr=1e-2, log_every_n_steps=2,
+                                  background_top_k=top_k)
+        module = LossRecorder(tiny_background(tokenizer), [e.name for e in EXPERTS], settings)
         pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(module, dm)
         losses[top_k] = torch.tensor(module.losses)
@@ -261,8 +261,10 @@ class LossRecorder(ExpertLM):
 def test_cache_needs_keyed_batches_and_a_cacheable_divergence(task):
     tokenizer = build_char_tokenizer(ALPHABET)
     with pytest.raises(ValueError, match="divergence"):
-        ExpertLM(tiny_background(tokenizer), ["A_to_B"], divergence="log_ratio", background_top_k=8)
-    module = ExpertLM(tiny_background(tokenizer), [e.name for e in EXPERTS], background_top_k=8)
+        settings = ExpertSettings(divergence="log_ratio", background_top_k=8)
+        ExpertLM(tiny_background(tokenizer), ["A_to_B"], settings)
+    settings = ExpertSettings(background_top_k=8)
+    module = ExpertLM(tiny_background(tokenizer), [e.name for e in EXPERTS], settings)
     batch = next(iter(TaskDataModule(task, "experts", 16, 0.0).train_dataloader()))
     with pytest.raises(ValueError, match="corruption_variants"):
         module.training_step(batch, 0)

@@ -296,10 +296,10 @@ def test_the_regularizer_disables_the_adapters_of_the_wrapped_model(tmp_path):
     from tiny_models import tiny_model
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_modules.expert import ExpertLM
+    from lightning_modules.expert import ExpertLM, ExpertSettings
 
     background, reference = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-    module = ExpertLM(background, ["a", "b"], lora_r=2, lora_alpha=4)
+    module = ExpertLM(background, ["a", "b"], ExpertSettings(lora_r=2, lora_alpha=4))
     with torch.no_grad():
         for name, p in module.model.named_parameters():
             if "lora_B" in name:

@@ -228,10 +228,11 @@ def test_length_experiment_runs_end_to_end_in_its_fast_variant(tmp_path):
 
 
 def test_expert_training_gives_the_expert_and_its_background_the_same_jumped_positions():
-    from lightning_modules.expert import ExpertLM
+    from lightning_modules.expert import ExpertLM, ExpertSettings
     from tests.tiny_models import tiny_model
 
-    module = ExpertLM(tiny_model(), ["a"], position_jump=4, target_modules=["q_proj", "v_proj"], log_every_n_steps=1)
+    settings = ExpertSettings(position_jump=4, target_modules=["q_proj", "v_proj"], log_every_n_steps=1)
+    module = ExpertLM(tiny_model(), ["a"], settings)
     module.log = lambda *a, **k: None
     seen = {}  # the positions each forward gets (stand-ins return zero logits over the 32-token vocabulary)
     module.background_logits = lambda ids, attn, pos: seen.setdefault("background", pos) is None or torch.zeros(
@@ -245,7 +246,7 @@ def test_expert_training_gives_the_expert_and_its_background_the_same_jumped_pos
     module.training_step(batch, 0)
     assert seen["background"] is seen["expert"] and seen["expert"][:, :2].equal(torch.arange(2).expand(2, 2))
     with pytest.raises(ValueError, match="position_jump cannot be used with background_top_k"):
-        ExpertLM(tiny_model(), ["a"], position_jump=4, background_top_k=8)
+        ExpertLM(tiny_model(), ["a"], ExpertSettings(position_jump=4, background_top_k=8))
 
 
 def test_expert_position_jump_and_the_background_cache_are_refused_together(tmp_path):

@@ -1,12 +1,13 @@
 """`expert.loss_chunk_size`: the training losses block by block of positions (losses/chunked.py) equal the plain
 ones, in value, gradients and logged metrics; what they do not support is refused."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_modules.expert import ExpertLM
+from lightning_modules.expert import ExpertLM, ExpertSettings
 from lightning_modules.pipeline.config import ConfigError, load_config
 from losses import IGNORE_INDEX
 from tests.tiny_models import VOCAB, tiny_model
@@ -32,7 +33,7 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def module(mode: str = "lora", **kwargs) -> ExpertLM:
-    m = ExpertLM(tiny_model(), ["a", "b"], mode=mode, lora_r=4, log_every_n_steps=1, **kwargs)
+    m = ExpertLM(tiny_model(), ["a", "b"], ExpertSettings(mode=mode, lora_r=4, log_every_n_steps=1, **kwargs))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # trained-looking experts: each differs from the background, and from the other
         for name, p in m.named_parameters():
@@ -43,7 +44,7 @@ def module(mode: str = "lora", **kwargs) -> ExpertLM:
 
 def step(m: ExpertLM, chunk: int | None, data: dict) -> tuple[torch.Tensor, dict, dict]:
     """Loss, gradients and logged values of one training step with `loss_chunk_size=chunk`."""
-    m.hparams.loss_chunk_size = chunk
+    m.settings = dataclasses.replace(m.settings, loss_chunk_size=chunk)
     logged = {}
     m.log = lambda key, value, **_: logged.__setitem__(key, value.detach().clone())
     m.zero_grad()
@@ -110,7 +111,7 @@ def test_chunked_losses_stay_attached_when_no_position_counts():
 ])
 def test_expert_lm_refuses_what_the_chunked_losses_do_not_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ExpertLM(tiny_model(), ["a"], **kwargs)
+        ExpertLM(tiny_model(), ["a"], ExpertSettings(**kwargs))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -96,14 +96,14 @@ def test_export_reloads_with_the_same_composed_logprobs(fast_run):
     from data.tasks.letters import RuleSet, build_letters_dataset, compositional_inputs
     from data.tokenizer import letter_ids
     from lightning_modules.expert import ExpertLM
+    from lightning_modules.pipeline.build import expert_settings
     from lightning_modules.pipeline.models import load_pretrained
 
     out, _ = fast_run
     cfg = load_config([str(out / "config.yaml")])
     reloaded = ComposedLM.from_manifest(out / "export")
     assert reloaded.names == ["A_to_B", "C_to_D"]
-    module = ExpertLM(load_pretrained(out / "background"), ["A_to_B", "C_to_D"], lora_r=cfg.expert.lora.r,
-                      lora_alpha=cfg.expert.lora.alpha)
+    module = ExpertLM(load_pretrained(out / "background"), ["A_to_B", "C_to_D"], expert_settings(cfg))
     state = torch.load(out / "checkpoints/experts/last.ckpt", map_location="cpu", weights_only=True)
     module.load_state_dict(state["state_dict"])
     rules = [RuleSet("A_to_B", {"A": "B"}), RuleSet("C_to_D", {"C": "D"})]

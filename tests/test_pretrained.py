@@ -232,9 +232,9 @@ def test_gguf_paths_through_load_pretrained_build_and_tokenizer(tmp_path):
         torch.testing.assert_close(model(IDS).logits, original(IDS).logits, rtol=0, atol=0)
 
     # peft's all-linear on the converted model: every projection, not the (tied) output layer.
-    from lightning_modules.expert import ExpertLM
+    from lightning_modules.expert import ExpertLM, ExpertSettings
 
-    expert = ExpertLM(model, ["a"], target_modules="all-linear", lora_r=2, lora_alpha=4)
+    expert = ExpertLM(model, ["a"], ExpertSettings(target_modules="all-linear", lora_r=2, lora_alpha=4))
     targeted = {n.rsplit(".", 1)[-1] for n, m in expert.model.named_modules() if hasattr(m, "lora_A")}
     assert targeted == set(LLAMA_LORA_TARGETS)
 

@@ -11,7 +11,7 @@ from data.tasks import Expert
 from data.tasks.letters import LettersConfig, LettersTask, RuleSet
 from data.tokenizer import build_char_tokenizer
 from lightning_modules.background import BackgroundLM
-from lightning_modules.expert import ExpertLM, task_targets
+from lightning_modules.expert import ExpertLM, ExpertSettings, task_targets
 from lightning_modules.pipeline.config import ModelConfig
 from lightning_modules.pipeline.models import build_causal_lm
 from losses import off_mask_divergence, task_nll
@@ -66,7 +66,8 @@ def test_background_lm_learns(tokenizer):
 def test_background_logits_are_the_frozen_background(tokenizer, mode):
     background = tiny_model(tokenizer)
     reference = copy.deepcopy(background)
-    module = ExpertLM(background, [r.name for r in RULES], mode=mode, lr=1e-2, max_steps=5, warmup_ratio=0.0)
+    settings = ExpertSettings(mode=mode, lr=1e-2, max_steps=5, warmup_ratio=0.0)
+    module = ExpertLM(background, [r.name for r in RULES], settings)
     batch, _ = expert_batch(tokenizer)
     train_steps(module, batch, 5)
     ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -78,7 +79,7 @@ def test_background_logits_are_the_frozen_background(tokenizer, mode):
 
 
 def test_mixed_adapter_forward_equals_each_adapter_alone(tokenizer):
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], ExpertSettings(lr=1e-2, max_steps=5))
     for p in module.model.parameters():  # make every adapter non-trivial
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.2)
@@ -94,7 +95,7 @@ def test_mixed_adapter_forward_equals_each_adapter_alone(tokenizer):
 
 
 def test_mixed_adapter_gradients_reach_only_each_rows_adapter(tokenizer):
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], ExpertSettings(lr=1e-2, max_steps=5))
     batch, _ = expert_batch(tokenizer)
     only_first = {k: (v[batch["expert_index"] == 0] if v.dim() else v) for k, v in batch.items()}
     module.training_step(only_first, 0).backward()
@@ -104,8 +105,8 @@ def test_mixed_adapter_gradients_reach_only_each_rows_adapter(tokenizer):
 
 
 def test_every_adapter_keeps_training_across_steps(tokenizer):
-    """Regression: leaving peft's disable_adapter() used to freeze every adapter but the active one."""
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], lr=1e-2, max_steps=5)
+    """Leaving peft's disable_adapter() must not freeze every adapter but the active one."""
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], ExpertSettings(lr=1e-2, max_steps=5))
     batch, _ = expert_batch(tokenizer)
     for _ in range(2):
         module.zero_grad()
@@ -126,8 +127,8 @@ def test_regularizer_keeps_experts_on_background_off_mask(tokenizer):
     kls = {}
     for lam in (0.0, 10.0):
         torch.manual_seed(0)
-        module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], reg_weight=lam, lr=2e-2,
-                          max_steps=40, warmup_ratio=0.0)
+        settings = ExpertSettings(reg_weight=lam, temperature=1.0, lr=2e-2, max_steps=40, warmup_ratio=0.0)
+        module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], settings)
         train_steps(module, batch, 40)
         ids, attn = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
@@ -152,7 +153,8 @@ def test_task_targets_by_row_kind(tokenizer, reg_data):
     on_mask = task_targets(batch, on_mask_only=True) != -100
     assert torch.equal(on_mask, scored & own_mask)
     # the training loss (λ = 0) is the NLL of exactly those targets
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], reg_weight=0.0, max_steps=1)
+    settings = ExpertSettings(reg_weight=0.0, max_steps=1)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], settings)
     with torch.no_grad():
         logits = module.expert_logits(batch["input_ids"], batch["attention_mask"], batch["expert_index"])
         expected = task_nll(logits, task_targets(batch))
@@ -161,7 +163,8 @@ def test_task_targets_by_row_kind(tokenizer, reg_data):
 
 def test_expert_lm_fits_with_lightning_trainer(tokenizer):
     _, dm = expert_batch(tokenizer)
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], max_steps=3, log_every_n_steps=1)
+    settings = ExpertSettings(max_steps=3, log_every_n_steps=1)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], settings)
     t = trainer(3)
     t.fit(module, datamodule=dm)
     assert t.global_step == 3 and "train/loss" in t.logged_metrics
@@ -171,8 +174,8 @@ def test_head_mode_trains_only_the_output_layer_and_merges_exactly(tokenizer):
     """The linear setting: experts that fine-tune only the output layer; task arithmetic == composition."""
     from compose.merges import max_logprob_gap, task_arithmetic
 
-    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], mode="head", lr=1e-2, max_steps=5,
-                      warmup_ratio=0.0)
+    settings = ExpertSettings(mode="head", lr=1e-2, max_steps=5, warmup_ratio=0.0)
+    module = ExpertLM(tiny_model(tokenizer), [r.name for r in RULES], settings)
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable and all("lm_head" in n for n in trainable)
     batch, _ = expert_batch(tokenizer)
@@ -200,7 +203,7 @@ def test_composition_evaluation_logs_the_tasks_metrics_on_limited_val_rows(token
 
     cfg = LettersConfig(alphabet=ALPHABET, min_len=4, max_len=6, n_train=16, n_val=16, n_test=16)
     task = SpyTask(cfg, [Expert(r.name, {"rules": dict(r.rules)}) for r in RULES])
-    module = ExpertLM(tiny_model(tokenizer), task.trained, max_steps=1)
+    module = ExpertLM(tiny_model(tokenizer), task.trained, ExpertSettings(max_steps=1))
     callback = CompositionEvaluation(task, batch_size=4, limit=6, active_threshold=0.05)
     t = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, callbacks=[callback])

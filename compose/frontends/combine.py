@@ -59,7 +59,8 @@ from compose.export import (
 )
 from compose.model_io import load_tokenizer
 from compose.vocab import tokenizer_signature
-from data.tasks import Expert, Task, TaskError, settings_from_node, task_class
+from data.tasks import Expert, Task, TaskError, settings_from_node
+from lightning_modules.pipeline.build import new_task
 
 # Task settings that only shape training rows (rows per expert, how often a source is planted) or the run's own
 # length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still share one compositional
@@ -160,8 +161,8 @@ def check_exports(paths: Sequence[str | os.PathLike], seed: int | None = None,
     for key, value in (test_settings or {}).items():
         notes.append(f"test split with task.{key}={value!r} (the runs': {settings[key]!r})")
     try:
-        task = task_class(settings["name"])(settings_from_node({**settings, **(test_settings or {})}), experts,
-                                            trained=[], seed=seed, tokenizer=tokenizer, allow_overlap=allow_overlap)
+        task = new_task(settings["name"], settings_from_node({**settings, **(test_settings or {})}), experts,
+                        trained=[], seed=seed, tokenizer=tokenizer, allow_overlap=allow_overlap)
     except TaskError as e:
         raise CombineError(f"{e}{_provenance(str(e), sources)}") from None
     return Combination(sources, task, settings, seed, notes + list(task.notes))

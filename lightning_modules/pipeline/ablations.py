@@ -14,9 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from compose.distributed import agree
 from data.collate import corruption_range
 from data.tasks import Task, TaskError
-from lightning_modules.pipeline import ranks
 
 # variant -> (what it shows, overrides). Variants that drop the regularizer also drop the compositional
 # rows (`reg_data=own`): without it they would still carry a task loss on composed prefixes.
@@ -105,7 +105,7 @@ def _run_or_resume(sub: DictConfig, resuming: bool, run: RunFn) -> dict:
     """A sub-run; when the parent resumes, a finished sub-run is read back and an unfinished one resumed."""
     folder = Path(sub.output_dir)
     # Rank 0's reading of the folder (a distributed run's ranks may be at different points of it).
-    finished, started = ranks.agree(lambda: (
+    finished, started = agree(lambda: (
         json.loads((folder / "summary.json").read_text()) if resuming and (folder / "summary.json").is_file()
         else None, folder.exists()))
     if finished is not None:

@@ -16,6 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from lightning_modules.expert import MODES, REGULARIZERS, ExpertSettings
+
 
 class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type, missing or unreadable file, inconsistent values."""
@@ -115,8 +117,8 @@ LLAMA_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 @dataclass
 class LoraSettings:
-    r: int = 8
-    alpha: int = 16
+    r: int = ExpertSettings.lora_r
+    alpha: int = ExpertSettings.lora_alpha
     # A list of module names, or a string peft understands ("all-linear"). null: automatic, resolved by
     # `load_config` (see `lora_target_modules`): LLAMA_LORA_TARGETS for a Llama built from scratch, peft's
     # "all-linear" for a pretrained model (model.pretrained_path or background.path) or a GPT-2.
@@ -136,24 +138,30 @@ class BackgroundCacheConfig:
 
 @dataclass
 class ExpertTrainingConfig:
-    mode: str = "lora"  # lora (peft adapters on the frozen background) | full (full copies) | head (output layer only)
+    """The experts' training. What `ExpertLM` reads has `lightning_modules.expert.ExpertSettings`' defaults (the
+    pipeline's builder, `pipeline.build.expert_settings`, maps these keys onto it)."""
+
+    mode: str = ExpertSettings.mode  # lora (peft adapters on the frozen background) | full (full copies) | head (output layer only)
     lora: LoraSettings = field(default_factory=LoraSettings)
-    max_steps: int = 150
+    max_steps: int = ExpertSettings.max_steps
     corruption_prob: Any = 0.2  # a number, or [low, high] (a rate per row), as background.corruption_prob
     # The off-mask regularizer of METHOD.md §4: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
-    reg_weight: float = 3.0
-    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | log_ratio
-    jsd_beta: float = 0.5
-    temperature: float = 3.0  # the divergence compares p_b and p_i at this softmax temperature
+    reg_weight: float = ExpertSettings.reg_weight
+    divergence: str = ExpertSettings.divergence  # forward_kl | reverse_kl | jsd | log_ratio (losses.DIVERGENCES)
+    jsd_beta: float = ExpertSettings.jsd_beta
+    temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
     # own | background | composition (own rows + composed prefixes: co-training) | own+background |
     # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert)
     reg_data: str = "composition"
-    task_loss_on_mask_only: bool = False
-    position_jump: int = 0  # as background.position_jump, for the experts' training rows (not with background_cache)
+    task_loss_on_mask_only: bool = ExpertSettings.task_loss_on_mask_only
+    # as background.position_jump, for the experts' training rows (not with background_cache)
+    position_jump: int = ExpertSettings.position_jump
     # token: the divergence of next-token distributions off the mask | features: of each feature's marginal (the
     # task's feature map), off the expert's mask on the features it owns, everywhere on the others (losses/features.py)
-    regularizer: str = "token"
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    regularizer: str = ExpertSettings.regularizer
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=ExpertSettings.lr,
+                                                                   weight_decay=ExpertSettings.weight_decay,
+                                                                   warmup_ratio=ExpertSettings.warmup_ratio))
     # null: the background runs on every batch; {top_k, variants}: a cache of its top-k log-probs (README,
     # "Benchmarks"). Needs divergence forward_kl, reverse_kl or jsd.
     background_cache: BackgroundCacheConfig | None = None
@@ -161,7 +169,7 @@ class ExpertTrainingConfig:
     # positions at a time, each block's logits recomputed in backward (losses/chunked.py): the same losses with
     # ~B·c·V logits held instead of B·T·V, for long rows and large vocabularies (benchmarks/regularizer_memory.py).
     # Not with background_cache or regularizer=features.
-    loss_chunk_size: int | None = None
+    loss_chunk_size: int | None = ExpertSettings.loss_chunk_size
 
 
 @dataclass
@@ -169,7 +177,7 @@ class CompositionConfig:
     # Earlier exports whose experts join the composition (trained against the same background).
     compose_with: list[str] = field(default_factory=list)
     allow_overlap: bool = False
-    active_threshold: float = 0.01  # divergence (nats) above which a position counts as "active"
+    active_threshold: float = ExpertSettings.active_threshold  # divergence (nats) above which a position is "active"
     eval_batch_size: int = 250
     # Validation-time composition: how many compositional val inputs to decode (None: all).
     val_limit: int | None = 200
@@ -184,7 +192,7 @@ class TrainerConfig:
     strategy: str = "auto"
     precision: str = "32-true"
     val_check_interval: int = 50  # validation (and composition) every N training steps
-    log_every_n_steps: int = 25
+    log_every_n_steps: int = ExpertSettings.log_every_n_steps  # also when the experts compute their train metrics
     enable_progress_bar: bool = True
     limit_val_batches: Any = 1.0
     num_sanity_val_steps: int = 0
@@ -213,17 +221,25 @@ class RunConfig:
     report: bool = True
 
 
-CHOICES = {
-    "model.arch": ("llama", "gpt2"),
-    "expert.mode": ("lora", "full", "head"),
-    "expert.divergence": ("forward_kl", "reverse_kl", "jsd", "log_ratio"),
-    "expert.reg_data": ("own", "background", "composition", "own+background", "random_rules"),  # data.tasks.REG_DATA_CHOICES
-    "model.dtype": (None, "auto", "float32", "bfloat16", "float16"),
-    "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
-    "model.head": ("token", "factored"),
-    "expert.regularizer": ("token", "features"),
-    "model.position_encoding": ("auto", "rope", "nope", "coupled"),
-}
+def choices() -> dict[str, tuple]:
+    """key -> the values it takes, each list read from the module that owns the choice (divergences and tasks'
+    regularizer data from their registries, so a registered divergence is a valid `expert.divergence`)."""
+    from data.tasks import REG_DATA_CHOICES
+    from lightning_modules.pipeline.models import DTYPES
+    from losses import DIVERGENCES
+
+    return {
+        "model.arch": ("llama", "gpt2"),
+        "expert.mode": MODES,
+        "expert.divergence": tuple(DIVERGENCES),
+        "expert.reg_data": tuple(REG_DATA_CHOICES),
+        "model.dtype": (None, *DTYPES),
+        "model.attn_implementation": (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                                      "flex_attention"),
+        "model.head": ("token", "factored"),
+        "expert.regularizer": REGULARIZERS,
+        "model.position_encoding": ("auto", "rope", "nope", "coupled"),
+    }
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
@@ -296,52 +312,63 @@ def _apply_override(cfg: DictConfig, override: str) -> DictConfig:
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
                 base: str | Path | None = None) -> DictConfig:
-    """Merge `base` (the embedded default YAML), then `files` in order, then dotted overrides."""
-    schema = OmegaConf.structured(RunConfig)
-    cfg = schema
-    sources = ([str(base)] if base else []) + list(files)
+    """The run config: `base` (the embedded default YAML), then `files` in order, then dotted overrides, over the
+    schema (`RunConfig`); validated, its automatic choices resolved."""
     task_sources: dict[str, str] = {}  # task key -> the file (or "command line") that set it last
-    for path in sources:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = OmegaConf.load(p)
-        except Exception as e:  # yaml errors, permissions
-            raise ConfigError(f"cannot read config file {path}: {str(e).splitlines()[0]}") from None
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"{path}: a config file must be a mapping of keys (key: value), got a "
-                              f"{'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
-        _note_task_keys(task_sources, loaded, path, OmegaConf.select(cfg, "task.name"))
-        try:
-            cfg = _merge(cfg, loaded)
-        except OmegaConfBaseException as e:
-            if not getattr(e, "full_key", None):  # a whole section replaced by a value of another kind
-                raise ConfigError(f"{path}: {_kind_mismatch(cfg, loaded)}") from None
-            raise _explain(e, schema, path) from None
-        except TypeError:  # a list where the config has a mapping, or the reverse
-            raise ConfigError(f"{path}: {_kind_mismatch(cfg, loaded)}") from None
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
-        for override in overrides:
-            _note_task_keys(task_sources, OmegaConf.from_dotlist([override]), "command line",
-                            OmegaConf.select(cfg, "task.name"))
-            try:
-                cfg = _apply_override(cfg, override)
-            except OmegaConfBaseException as e:
-                if not getattr(e, "full_key", None):
-                    raise ConfigError(f"command line: {_kind_mismatch(cfg, OmegaConf.from_dotlist([override]))}") from None
-                raise _explain(e, schema, "command line") from None
-            except TypeError:
-                raise ConfigError(f"command line: {_kind_mismatch(cfg, OmegaConf.from_dotlist([override]))}") from None
+    cfg = merge_config(RunConfig, ([str(base)] if base else []) + list(files), overrides, task_sources)
     validate(cfg)
     resolve_defaults(cfg)
     cfg.task = resolve_task_config(cfg, task_sources)
     if cfg.model.position_encoding == "auto":
         cfg.model.position_encoding = "coupled" if _couples_positions(cfg) else "rope"
     return cfg
+
+
+def merge_config(schema_class: type, files: list[str] | tuple[str, ...] = (),
+                 overrides: list[str] | tuple[str, ...] = (), task_sources: dict[str, str] | None = None) -> DictConfig:
+    """YAML `files` merged in order over the structured config `schema_class` (a dataclass), then `dotted.key=value`
+    overrides (values parse as YAML). Unknown keys and wrong types are one-line `ConfigError`s naming the file (or
+    "command line") and the key; `task_sources`, if given, records which source set each `task.` key."""
+    schema = OmegaConf.structured(schema_class)
+    cfg, task_sources = schema, task_sources if task_sources is not None else {}
+    for path in files:
+        loaded = _read_yaml(path)
+        _note_task_keys(task_sources, loaded, path, OmegaConf.select(cfg, "task.name"))
+        cfg = _merged(cfg, schema, path, loaded, lambda c, update=loaded: _merge(c, update))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not of the form dotted.key=value")
+    for override in overrides:
+        update = OmegaConf.from_dotlist([override])
+        _note_task_keys(task_sources, update, "command line", OmegaConf.select(cfg, "task.name"))
+        cfg = _merged(cfg, schema, "command line", update, lambda c, o=override: _apply_override(c, o))
+    return cfg
+
+
+def _read_yaml(path: str) -> DictConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = OmegaConf.load(p)
+    except Exception as e:  # yaml errors, permissions
+        raise ConfigError(f"cannot read config file {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys (key: value), got a "
+                          f"{'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
+    return loaded
+
+
+def _merged(cfg: DictConfig, schema: DictConfig, source: str, update: DictConfig, merge: Any) -> DictConfig:
+    """`merge(cfg)`, its failure said in one line naming `source` and the key."""
+    try:
+        return merge(cfg)
+    except OmegaConfBaseException as e:
+        if not getattr(e, "full_key", None):  # a whole section replaced by a value of another kind
+            raise ConfigError(f"{source}: {_kind_mismatch(cfg, update)}") from None
+        raise _explain(e, schema, source) from None
+    except TypeError:  # a list where the config has a mapping, or the reverse
+        raise ConfigError(f"{source}: {_kind_mismatch(cfg, update)}") from None
 
 
 def _couples_positions(cfg: DictConfig) -> bool:
@@ -469,19 +496,46 @@ def validate(cfg: DictConfig) -> None:
     """Checks the schema cannot express: choices, names, ranges and how keys go together. Every failure is a
     one-line `ConfigError` naming the key and what it allows. (The task's own keys are checked by its settings
     class, `resolve_task_config`; files, exports and the machine by `stages.plan_run`.)"""
-    for key, allowed in CHOICES.items():
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    _check_names(cfg)
+    _check_model(cfg)
+    _check_runs(cfg)
+    _check_expert(cfg)
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    for key, allowed in choices().items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join('null' if a is None else a for a in allowed)}")
-    for key, choices in (("trainer.precision", precisions()), ("trainer.accelerator", ACCELERATORS),
+    for key, allowed in (("trainer.precision", precisions()), ("trainer.accelerator", ACCELERATORS),
                          ("trainer.strategy", strategies())):
         value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _check_ranges(cfg: DictConfig) -> None:
     for key, (ok, allowed) in RANGES.items():
         value = OmegaConf.select(cfg, key)
         if not ok(value):
             raise _bad(key, value, allowed)
+    b = cfg.background
+    if not (_int(b.max_steps) and b.max_steps >= 1):
+        raise _bad("background.max_steps", b.max_steps, "an integer >= 1 (to train no background, set "
+                   "background.path to an existing one)")
+    cache = cfg.expert.background_cache
+    for key in ("top_k", "variants") if cache is not None else ():
+        if not (_int(cache[key]) and cache[key] >= 1):
+            raise _bad(f"expert.background_cache.{key}", cache[key], "an integer >= 1")
+    bad_k = [k for k in cfg.ablation_ks if not (_int(k) and k >= 1)]
+    if bad_k:
+        raise _bad("ablation_ks", list(cfg.ablation_ks), "a list of integers >= 1 (experts per ablation sub-run)")
+
+
+def _check_names(cfg: DictConfig) -> None:
+    """The experiment's and the experts' names (they name folders and adapters), and the experts' weights."""
     if not NAME_RE.match(str(cfg.experiment)):
         raise _bad("experiment", cfg.experiment, f"a name matching {NAME_RULE} (it names the run's folder)")
     names = [e.name for e in cfg.experts]
@@ -494,84 +548,69 @@ def validate(cfg: DictConfig) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"experts: duplicate expert name(s) {', '.join(dupes)}")
-    b = cfg.background
-    if not (_int(b.max_steps) and b.max_steps >= 1):
-        raise _bad("background.max_steps", b.max_steps, "an integer >= 1 (to train no background, set "
-                   "background.path to an existing one)")
-    if not cfg.model.pretrained_path and not b.path and cfg.model.hidden_size % cfg.model.num_heads:
-        raise ConfigError(f"model.hidden_size={cfg.model.hidden_size} must be a multiple of "
-                          f"model.num_heads={cfg.model.num_heads}")
+
+
+def _check_model(cfg: DictConfig) -> None:
+    """The model keys together, and with the experts' mode and LoRA targets."""
+    m = cfg.model
+    if not m.pretrained_path and not cfg.background.path and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
+    if m.position_encoding not in ("rope", "auto") or m.rope_theta != ModelConfig.rope_theta:
+        key = "model.position_encoding" if m.position_encoding != "rope" else "model.rope_theta"
+        # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
+        if m.pretrained_path or m.arch != "llama":
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
+                              f"llama, no model.pretrained_path); got model.arch={m.arch}, "
+                              f"model.pretrained_path={m.pretrained_path}")
+    if cfg.expert.mode == "head" and not is_pretrained(cfg) and m.arch == "gpt2":
+        raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
+                          "(use model.arch=llama or another expert.mode)")
+    head_targets = cfg.expert.lora.target_modules
+    if m.head == "factored" and (m.pretrained_path or cfg.expert.mode != "lora" or (
+            isinstance(head_targets, ListConfig) and "lm_head" in head_targets)):
+        raise ConfigError("model.head=factored needs a model built from scratch and LoRA experts that leave its output "
+                          f"layer alone; got model.pretrained_path={m.pretrained_path}, expert.mode="
+                          f"{cfg.expert.mode}, expert.lora.target_modules={head_targets}")
+
+
+def _check_runs(cfg: DictConfig) -> None:
+    """What the run does besides training: baselines, ablations, earlier exports, the checkpoint to resume."""
     unknown = [m for m in cfg.baselines if m not in BASELINES]
     if unknown:
         raise ConfigError(f"baselines: unknown method(s) {', '.join(map(str, unknown))}; known: {', '.join(BASELINES)}")
-    bad_k = [k for k in cfg.ablation_ks if not (_int(k) and k >= 1)]
-    if bad_k:
-        raise _bad("ablation_ks", list(cfg.ablation_ks), "a list of integers >= 1 (experts per ablation sub-run)")
     if cfg.composition.compose_with and cfg.ablations:
         raise ConfigError(f"ablations={list(cfg.ablations)} cannot run with composition.compose_with (the sub-runs "
                           "would train experts the earlier exports already hold): set ablations=[]")
     if cfg.composition.compose_with and cfg.expert.mode != "lora":
         raise ConfigError(f"composition.compose_with needs expert.mode=lora (its experts are LoRA adapters), "
                           f"got expert.mode={cfg.expert.mode}")
-    if cfg.model.position_encoding not in ("rope", "auto") or cfg.model.rope_theta != ModelConfig.rope_theta:
-        key = "model.position_encoding" if cfg.model.position_encoding != "rope" else "model.rope_theta"
-        # (with background.path the saved model's own config holds its positions: ablation sub-runs reuse it)
-        if cfg.model.pretrained_path or cfg.model.arch != "llama":
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} applies to a Llama built from scratch (model.arch="
-                              f"llama, no model.pretrained_path); got model.arch={cfg.model.arch}, "
-                              f"model.pretrained_path={cfg.model.pretrained_path}")
-    if cfg.expert.position_jump and cfg.expert.background_cache is not None:
-        raise ConfigError("expert.position_jump cannot be used with expert.background_cache (the cache holds one set "
-                          "of positions per row): set one of them to 0 / null")
-    if cfg.expert.mode == "head" and not is_pretrained(cfg) and cfg.model.arch == "gpt2":
-        raise ConfigError("expert.mode=head needs untied input/output embeddings; model.arch=gpt2 ties them "
-                          "(use model.arch=llama or another expert.mode)")
-    head_targets = cfg.expert.lora.target_modules
-    if cfg.model.head == "factored" and (cfg.model.pretrained_path or cfg.expert.mode != "lora" or (
-            isinstance(head_targets, ListConfig) and "lm_head" in head_targets)):
-        raise ConfigError("model.head=factored needs a model built from scratch and LoRA experts that leave its output "
-                          f"layer alone; got model.pretrained_path={cfg.model.pretrained_path}, expert.mode="
-                          f"{cfg.expert.mode}, expert.lora.target_modules={head_targets}")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path} (give a .ckpt file or 'last')")
-    cache = cfg.expert.background_cache
-    if cache is not None:
-        for key in ("top_k", "variants"):
-            if not (_int(cache[key]) and cache[key] >= 1):
-                raise _bad(f"expert.background_cache.{key}", cache[key], "an integer >= 1")
-        if cfg.expert.divergence == "log_ratio":
-            raise ConfigError("expert.background_cache needs expert.divergence forward_kl, reverse_kl or jsd "
-                              "(log_ratio weighs every token alike: it needs the background's full distribution); "
-                              "set expert.background_cache=null")
-        if "fsdp" in cfg.trainer.strategy or "deepspeed_stage_3" in cfg.trainer.strategy:
-            # Each rank runs the background only on the rows it has not cached: a sharded forward (a collective)
-            # entered by some ranks and not others would hang.
-            raise ConfigError(f"expert.background_cache cannot run with trainer.strategy={cfg.trainer.strategy} "
-                              "(sharded weights: the ranks' background forwards must stay in step); use ddp, or set "
-                              "expert.background_cache=null")
-    _check_loss_chunk_size(cfg)
-    targets = cfg.expert.lora.target_modules
+
+
+def _check_expert(cfg: DictConfig) -> None:
+    """The experts' settings together (`ExpertSettings`' own rules, worded as config keys), and with the trainer's
+    strategy."""
+    from lightning_modules.pipeline.build import expert_settings
+
+    e = cfg.expert
+    targets = e.lora.target_modules
     if not (targets is None or (isinstance(targets, str) and targets)
             or (isinstance(targets, ListConfig | list) and targets and all(isinstance(t, str) for t in targets))):
         raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
                           "as all-linear, or null (automatic)")
-
-
-def _check_loss_chunk_size(cfg: DictConfig) -> None:
-    """`expert.loss_chunk_size` with what the block-wise losses do not do (`ExpertLM` refuses the same)."""
-    e = cfg.expert
-    if e.loss_chunk_size is None:
-        return
-    if e.background_cache is not None:
-        raise ConfigError("expert.loss_chunk_size cannot be used with expert.background_cache: set one of them to null")
-    if e.regularizer == "features":
-        raise ConfigError("expert.loss_chunk_size cannot be used with expert.regularizer=features: use "
-                          "expert.regularizer=token or expert.loss_chunk_size=null")
+    expert_settings(cfg)  # raises ConfigError
     if "fsdp" in cfg.trainer.strategy or "deepspeed_stage_3" in cfg.trainer.strategy:
-        # each block runs the output layer on its own, outside the model's forward, where a sharding strategy
-        # does not gather its weights
-        raise ConfigError(f"expert.loss_chunk_size cannot run with trainer.strategy={cfg.trainer.strategy} (sharded "
-                          "weights); use ddp, or set expert.loss_chunk_size=null")
+        # The cache: each rank runs the background only on the rows it has not cached, and a sharded forward (a
+        # collective) entered by some ranks and not others would hang. Chunked losses: each block runs the
+        # output layer on its own, outside the model's forward, where a sharding strategy does not gather it.
+        if e.background_cache is not None:
+            raise ConfigError(f"expert.background_cache cannot run with trainer.strategy={cfg.trainer.strategy} "
+                              "(sharded weights: the ranks' background forwards must stay in step); use ddp, or set "
+                              "expert.background_cache=null")
+        if e.loss_chunk_size is not None:
+            raise ConfigError(f"expert.loss_chunk_size cannot run with trainer.strategy={cfg.trainer.strategy} "
+                              "(sharded weights); use ddp, or set expert.loss_chunk_size=null")
 
 
 def is_pretrained(cfg: DictConfig) -> bool:

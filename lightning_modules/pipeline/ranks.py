@@ -14,44 +14,10 @@ entered by all of them; only rank 0 writes:
   whether a stage or a sub-run is finished) are rank 0's (`agree`): the others would read files rank 0 may be
   writing. Before the ranks meet, rank 0 waits in its first `fit` and changes none of the files they read.
 * A rank > 0 prints nothing on stdout (`train.py`); its warnings and errors reach stderr.
+
+The helpers (`is_leader`, `barrier`, `agree`) are `compose.distributed`'s.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import TypeVar
-
-import torch.distributed as dist
-
 OUTPUT_DIR_ENV = "COMPOSABLE_EXPERTS_OUTPUT_DIR"
-# Set by the launchers for every rank: Lightning's subprocess launcher (LOCAL_RANK, NODE_RANK), torchrun (RANK).
-_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK")
-
-T = TypeVar("T")
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def is_leader() -> bool:
-    """Whether this process is global rank 0 (also: the only process of a single-process run)."""
-    if _initialized():
-        return dist.get_rank() == 0
-    return all(os.environ.get(key, "0") == "0" for key in _RANK_ENV)
-
-
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for in a single process or before the ranks have met)."""
-    if _initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def agree(decide: Callable[[], T]) -> T:
-    """Rank 0's `decide()`, on every rank (the others do not call it); `decide()` itself in a single process."""
-    if not (_initialized() and dist.get_world_size() > 1):
-        return decide()
-    box = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -24,23 +24,22 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
 from compose.atomic import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
-from compose.distributed import sharded
+from compose.distributed import agree, barrier, is_leader, sharded
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
-from data.datamodule import TaskDataModule
-from data.tasks import Expert, Task, TaskError, task_class
+from data.tasks import Expert, Task
 from lightning_modules.background import BackgroundLM
 from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
 from lightning_modules.expert import ExpertLM
-from lightning_modules.pipeline import console, ranks
+from lightning_modules.pipeline import console
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
-from lightning_modules.pipeline.config import (
-    ConfigError,
-    expert_spec,
-    is_pretrained,
-    lora_target_modules,
-    task_settings,
+from lightning_modules.pipeline.build import (
+    build_datamodule,
+    build_expert,
+    build_task,
+    expert_background,
 )
+from lightning_modules.pipeline.config import ConfigError, is_pretrained
 from lightning_modules.pipeline.feature_head import check_factored, merge_factored_head
 from lightning_modules.pipeline.models import (
     build_causal_lm,
@@ -49,6 +48,7 @@ from lightning_modules.pipeline.models import (
     load_pretrained,
     pretrained_folder,
 )
+from lightning_modules.pipeline.ranks import OUTPUT_DIR_ENV
 from lightning_modules.pipeline.report import write_report
 from lightning_modules.pipeline.resume import (
     AtomicCheckpointIO,
@@ -90,13 +90,13 @@ class Plan:
 def output_dir(cfg: DictConfig) -> Path:
     """The run's folder: `output_dir`, or `runs/<experiment>/<timestamp>`; refuses to overwrite one.
 
-    A rank > 0 of a distributed run takes rank 0's folder as it is (`ranks`): rank 0 has checked it, and it is
+    A rank > 0 of a distributed run takes rank 0's folder as it is (`pipeline.ranks`): rank 0 has checked it, and it is
     not empty by the time the others start."""
-    if not ranks.is_leader():
-        folder = cfg.output_dir or os.environ.get(ranks.OUTPUT_DIR_ENV)
+    if not is_leader():
+        folder = cfg.output_dir or os.environ.get(OUTPUT_DIR_ENV)
         if not folder:
             raise ConfigError("this process is a rank > 0 of a distributed run (LOCAL_RANK, NODE_RANK or RANK set) "
-                              f"but was given no run folder: pass output_dir= (or ${ranks.OUTPUT_DIR_ENV})")
+                              f"but was given no run folder: pass output_dir= (or ${OUTPUT_DIR_ENV})")
         return Path(folder)
     resuming = cfg.ckpt_path == "last"
     if cfg.output_dir:
@@ -110,7 +110,7 @@ def output_dir(cfg: DictConfig) -> Path:
             raise ConfigError("ckpt_path=last needs output_dir= naming the run to resume")
         out = Path("runs") / cfg.experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
         _check_writable(out, "runs/<experiment>/<timestamp> (no output_dir given)")
-        os.environ[ranks.OUTPUT_DIR_ENV] = str(out)  # for the ranks Lightning's launcher may start later
+        os.environ[OUTPUT_DIR_ENV] = str(out)  # for the ranks Lightning's launcher may start later
     if resuming and not out.exists():
         raise ConfigError(f"ckpt_path=last: output_dir {out} does not exist")
     return out
@@ -187,14 +187,30 @@ def _verify_export_holding(folder: Path, key: str) -> None:
 def plan_run(cfg: DictConfig) -> Plan:
     """Validate everything the config names (task, experts, files, exports, tokenizers) without writing."""
     out = output_dir(cfg)
-    if ranks.is_leader():
+    if is_leader():
         check_resume(cfg, out)
     check_trainer(cfg)
-    for key in ("background.path", "model.pretrained_path"):
+    for key in PRETRAINED_KEYS:
         if OmegaConf.select(cfg, key):
             _verify_export_holding(pretrained_folder(OmegaConf.select(cfg, key), key), key)
-    experts = [Expert(e.name, expert_spec(e), float(e.weight), tuple(e.data)) for e in cfg.experts]
-    frozen_adapters, exports = {}, []
+    frozen, frozen_adapters, exports = _earlier_experts(cfg)
+    task = build_task(cfg, frozen)
+    for export, manifest in exports:
+        _check_same_vocab(manifest, task.tokenizer, export)
+    check_ablations(cfg, task)
+    _check_task_fits(cfg, task)
+    _check_pretrained_models(cfg, task)
+    return Plan(out, task, list(task.trained), list(frozen_adapters), frozen_adapters,
+                weights={e.name: e.weight for e in task.experts}, specs={e.name: dict(e.spec) for e in task.experts})
+
+
+PRETRAINED_KEYS = ("background.path", "model.pretrained_path")
+
+
+def _earlier_experts(cfg: DictConfig) -> tuple[list[Expert], dict[str, str], list[tuple[str, dict]]]:
+    """The experts of `composition.compose_with`'s exports, verified: `(experts, {name: adapter folder},
+    [(export, manifest)])`."""
+    experts, frozen_adapters, exports = [], {}, []
     for export in cfg.composition.compose_with:
         try:  # the checks of `ComposedLM.from_manifest`: checksums, no missing, extra or pickle file
             manifest = load_manifest(export)
@@ -208,35 +224,38 @@ def plan_run(cfg: DictConfig) -> Plan:
             experts.append(Expert(entry["name"], dict(entry.get("spec") or {}), float(entry.get("weight", 1.0))))
             frozen_adapters[entry["name"]] = str(Path(export) / entry["path"])
         exports.append((export, manifest))
-    trained = [e.name for e in cfg.experts]
-    try:
-        task = task_class(cfg.task.name)(task_settings(cfg), experts, trained=trained, reg_data=cfg.expert.reg_data,
-                                         seed=cfg.seed, tokenizer=model_tokenizer(cfg),
-                                         allow_overlap=cfg.composition.allow_overlap)
-    except TaskError as e:
-        raise ConfigError(str(e)) from None
-    for export, manifest in exports:
-        _check_same_vocab(manifest, task.tokenizer, export)
-    check_ablations(cfg, task)
+    return experts, frozen_adapters, exports
+
+
+def _check_task_fits(cfg: DictConfig, task: Task) -> None:
+    """The task has what the model's head and the regularizer need, and its rows (with the position jumps) fit
+    the positions of a model built from scratch."""
     for key, value in (("model.head", "factored"), ("expert.regularizer", "features")):
         if OmegaConf.select(cfg, key) == value and task.feature_map is None:
             raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
                               f"{task.name!r} has none")
     longest, positions = task.max_row_length, cfg.model.max_position_embeddings
+    if is_pretrained(cfg) or longest is None:
+        return
     coupled = cfg.model.position_encoding == "coupled"  # ids up to the row length, 2 per slot of jump room
-    if not is_pretrained(cfg) and longest is not None and longest + coupled > positions:
+    if longest + coupled > positions:
         key = getattr(task.cfg, "max_row_length_key", "task.max_len")  # what sets the longest row
         raise ConfigError(f"model.max_position_embeddings={positions} is shorter than the task's longest row "
                           f"({longest} tokens, from {key}={OmegaConf.select(cfg, key)}): raise it to >= "
                           f"{longest + coupled} or lower {key}")
     key, jump = max((("background.position_jump", cfg.background.position_jump),
                      ("expert.position_jump", cfg.expert.position_jump)), key=lambda item: item[1])
-    reach = longest - 1 + jump * (1 + coupled) + coupled if longest is not None else None
-    if jump and not is_pretrained(cfg) and longest is not None and reach >= positions:
+    reach = longest - 1 + jump * (1 + coupled) + coupled
+    if jump and reach >= positions:
         raise ConfigError(f"{key}={jump}: position ids may reach {reach} (the longest row, {longest} tokens, and "
                           f"the jump), beyond model.max_position_embeddings={positions}: raise it to >= {reach + 1} "
                           f"or lower {key}")
-    for key in ("background.path", "model.pretrained_path"):  # fail early: a missing folder, a small vocabulary
+
+
+def _check_pretrained_models(cfg: DictConfig, task: Task) -> None:
+    """Fail early on a pretrained model: a missing folder, a small vocabulary, another tokenizer, tied embeddings
+    under `expert.mode=head`, a head the factored one cannot replace."""
+    for key in PRETRAINED_KEYS:
         if OmegaConf.select(cfg, key):
             model = load_pretrained(OmegaConf.select(cfg, key), task.tokenizer, where=key, **load_options(cfg.model))
             _check_saved_tokenizer(pretrained_folder(OmegaConf.select(cfg, key), key), task.tokenizer, key)
@@ -246,25 +265,6 @@ def plan_run(cfg: DictConfig) -> Plan:
                                   "ties them (use expert.mode=lora or full)")
             if cfg.model.head == "factored":
                 check_factored(model, task.feature_map, key)
-    return Plan(out, task, trained, [n for n in frozen_adapters], frozen_adapters,
-                weights={e.name: e.weight for e in experts}, specs={e.name: dict(e.spec) for e in experts})
-
-
-def model_tokenizer(cfg: DictConfig):
-    """The tokenizer saved inside the pretrained model's folder (`model.pretrained_path`, else `background.path`;
-    an HF folder, or the folder a `.gguf` file or `smollm2` converts to), if it has one; else None."""
-    from transformers import AutoTokenizer
-
-    for key in ("model.pretrained_path", "background.path"):
-        path = OmegaConf.select(cfg, key)
-        folder = pretrained_folder(path, key) if path else None
-        if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            continue
-        try:
-            return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-        except Exception as e:
-            raise ConfigError(f"{key}: cannot read the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
-    return None
 
 
 def _check_saved_tokenizer(folder: Path, tokenizer, key: str) -> None:
@@ -361,7 +361,7 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
     ckpt = None
     if cfg.ckpt_path == "last":
         last = out / "checkpoints" / stage / "last.ckpt"
-        ckpt = ranks.agree(lambda: str(last) if last.is_file() else None)
+        ckpt = agree(lambda: str(last) if last.is_file() else None)
     elif cfg.ckpt_path:
         ckpt = cfg.ckpt_path
     try:
@@ -381,7 +381,7 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     if cfg.background.path:
         return pretrained_folder(cfg.background.path, "background.path")
     path = plan.out / "background"
-    if ranks.agree(lambda: (path / "config.json").is_file()):  # finished earlier (resumed run)
+    if agree(lambda: (path / "config.json").is_file()):  # finished earlier (resumed run)
         return path
     b = cfg.background
     seed_stage(cfg.seed, "background")
@@ -390,41 +390,24 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
           + (f", output positions jump by up to {b.position_jump}" if b.position_jump else ""))
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps, position_jump=b.position_jump)
-    dm = TaskDataModule(plan.task, "background", cfg.data.batch_size, b.corruption_prob, cfg.data.num_workers, cfg.seed)
+    dm = build_datamodule(cfg, plan.task, "background")
     _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
     merge_factored_head(model)  # a factored head is saved as the plain weight it computes
-    if ranks.is_leader():
+    if is_leader():
         atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
-    ranks.barrier()  # every rank loads the experts' background from `path`
+    barrier()  # every rank loads the experts' background from `path`
     return path
 
 
 def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
-    e = cfg.expert
-    options = load_options(cfg.model, cfg.trainer, frozen=e.mode == "lora")  # full/head copies train: float32
-    return ExpertLM(
-        load_pretrained(background_path, plan.tokenizer, **options),
-        plan.trained, mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha,
-        target_modules=lora_target_modules(cfg),
-        reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
-        task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
-        warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps, frozen_adapters=plan.frozen_adapters,
-        weights=plan.weights, active_threshold=cfg.composition.active_threshold,
-        log_every_n_steps=cfg.trainer.log_every_n_steps, position_jump=e.position_jump,
-        regularizer=e.regularizer, feature_map=plan.task.feature_map,
-        owned_features={n: plan.task.owned_features(n) for n in plan.trained},
-        background_top_k=e.background_cache.top_k if e.background_cache is not None else None,
-        loss_chunk_size=e.loss_chunk_size,
-    )
+    background = expert_background(cfg, background_path, plan.tokenizer)
+    return build_expert(cfg, plan.task, background, frozen_adapters=plan.frozen_adapters)
 
 
 def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
     e, c = cfg.expert, cfg.composition
-    # `data.batch_size` counts rows per expert: k experts train on k × batch_size rows.
-    dm = TaskDataModule(plan.task, "experts", cfg.data.batch_size * len(plan.trained), e.corruption_prob,
-                        cfg.data.num_workers, cfg.seed,
-                        corruption_variants=e.background_cache.variants if e.background_cache is not None else None)
+    dm = build_datamodule(cfg, plan.task, "experts")  # k experts train on k × data.batch_size rows
     dm.dataset("train")
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
@@ -434,14 +417,14 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         CompositionEvaluation(plan.task, batch_size=c.eval_batch_size, limit=c.val_limit,
                               active_threshold=c.active_threshold),
         ExportForComposition(plan.out / "export", plan.tokenizer, specs=plan.specs, weights=plan.weights,
-                             background_path=background_path,
+                             background_path=background_path, load_background=load_pretrained,
                              extra={"experiment": cfg.experiment, "seed": cfg.seed, "task": cfg.task.name},
                              overwrite=cfg.ckpt_path == "last"),
     ]
     export, last = plan.out / "export" / MANIFEST_NAME, plan.out / "checkpoints" / "experts" / "last.ckpt"
     # Finished earlier: the export is written at the end of the fit, `last.ckpt` right after it. An export
     # without the final checkpoint (a kill in between) resumes the fit, which writes both again.
-    if cfg.ckpt_path == "last" and ranks.agree(lambda: export.is_file() and last_step(last) == e.max_steps):
+    if cfg.ckpt_path == "last" and agree(lambda: export.is_file() and last_step(last) == e.max_steps):
         state = torch.load(last, map_location="cpu", weights_only=True)
         module.load_state_dict(state["state_dict"])  # the trained adapters
         return module
@@ -501,7 +484,7 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         composed.composition = "soft"
     if task.notes:
         summary["composition"]["notes"] = task.notes
-    if ranks.is_leader():
+    if is_leader():
         write_divergence_map(composed, test_set.select(range(min(4, len(test_set)))), task.collator(),
                              plan.out / "divergence_map.json")
     if cfg.baselines:
@@ -533,11 +516,11 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
     composed_lp = composed.score(batch["input_ids"], batch["attention_mask"])
     results = {}
     for method in cfg.baselines:
-        if module.hparams.mode != "lora" and method != "task_arithmetic":
+        if module.settings.mode != "lora" and method != "task_arithmetic":
             console.stage("baselines", f"{method}: skipped (TIES and DARE merge LoRA adapters only)")
             continue
         console.stage("baselines", f"{method}: merging {', '.join(names)} and decoding {len(test_set)} test rows")
-        if module.hparams.mode == "lora":
+        if module.settings.mode == "lora":
             merged_name = merge_adapters(module.peft_model, names, method, weights=composed.weights, seed=cfg.seed)
             merged = ComposedLM.from_peft(module.peft_model, [merged_name], tokenizer=tok)
         else:  # task arithmetic of full copies
@@ -548,7 +531,7 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
             **task.evaluate_composition(sharded(merged), test_set, bs),  # exact match, per-skill accuracy, extras
             "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
         }
-        if module.hparams.mode == "lora":
+        if module.settings.mode == "lora":
             module.peft_model.delete_adapter(merged_name)
     return results
 
@@ -573,7 +556,7 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     t0 = time.time()
     console.quiet()
     plan = plan_run(cfg)  # with ckpt_path=last: refuses a config that changes what the run already trained
-    leader = ranks.is_leader()  # a rank > 0 of a distributed run writes nothing (`ranks`)
+    leader = is_leader()  # a rank > 0 of a distributed run writes nothing (`pipeline.ranks`)
     if leader:
         if cfg.ckpt_path == "last":
             remove_stale_temporaries(plan.out)  # what a killed atomic save left behind
