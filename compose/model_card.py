@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from compose.atomic import atomic_file
 from compose.export import MANIFEST_NAME, load_manifest
 
 CARD_NAME = "README.md"
@@ -47,9 +48,8 @@ def write_model_card(export_dir: str | os.PathLike, manifest: Mapping[str, Any] 
     text = model_card(manifest, metrics, base_model=base_model, title=title or root.resolve().name,
                       export_dir=str(root))
     path = root / CARD_NAME
-    tmp = path.with_name(f".{CARD_NAME}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     return path
 
 
