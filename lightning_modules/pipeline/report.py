@@ -455,13 +455,13 @@ def _margin_label(key: str) -> str:
 def _composition_section(c: dict) -> list[str]:
     lines = ["## Composition", ""]
     n = c.get("n_test")
+    match = _rate(c.get("exact_match"), fraction_count(c, "exact_match")) if "exact_match" in c else None
     facts = [("compositional test inputs (n_test)", c.get("n_test")), ("experts composed (k)", c.get("k")),
-             ("exact match (95 % interval)", c.get("exact_match")), ("NLL per token", c.get("nll")),
+             ("exact match" + (" (95 % interval)" if n else ""), match), ("NLL per token", c.get("nll")),
              ("projectivity error", c.get("projectivity_error"))]
     facts += [(_margin_label(k), v) for k, v in c.items()
               if k not in _KNOWN_COMPOSITION_KEYS and isinstance(v, (int, float))]
-    lines += [f"- {name}: {_rate(v, fraction_count(c, 'exact_match')) if name.startswith('exact') else _fmt(v)}"
-              for name, v in facts if v is not None]
+    lines += [f"- {name}: {v if isinstance(v, str) else _fmt(v)}" for name, v in facts if v is not None]
     lines.append("")
     failures = c.get("failures") or {}
     if failures:
