@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -391,3 +395,31 @@ def test_model_card(world, tmp_path):
     assert ComposedLM.from_manifest(export).names == ["a", "b"]
     with pytest.raises(FileNotFoundError, match="composition.yaml"):
         write_model_card(tmp_path)
+
+
+def test_module_command_serves_until_interrupted(world):
+    probe = listening_socket("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    probe.close()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "compose.serve", str(world.experts), "--port", str(port),
+                             "--log-level", "warning"], cwd=root, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COMPOSE_API_KEY": KEY})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except requests.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        out = api.completions.create(model="experts", prompt="the cat", max_tokens=4, temperature=0)
+        assert out.choices[0].text == reference(world, world.tok.encode("the cat"), 4)
+        assert requests.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key from the environment
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0
+    assert "compose.serve: experts (soft, experts: a, b) at http://127.0.0.1:" in proc.stderr.read()

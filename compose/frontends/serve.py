@@ -978,6 +978,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (" (API key required)" if api_key else ""), file=sys.stderr)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then passed Ctrl-C on
+        pass
     finally:
         engine.close()
         sock.close()
