@@ -228,56 +228,18 @@ def time_validation(module, dm, task, cfg) -> tuple[float, float, dict]:
     return callback.elapsed_ms, total_ms, {"n": n, "val_rows": len(loader.dataset), **callback.last}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median reported)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repetition")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them in each fit")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows")
-    parser.add_argument("--background", default=None, help="a trained background HF folder (default: random)")
-    parser.add_argument("--config", type=Path, action="append", default=[],
-                        help="an experiment YAML merged over the defaults (repeatable)")
-    parser.add_argument("--override", action="append", default=[], help="a dotted.key=value config override")
-    parser.add_argument("--top-k", type=int, default=64, help="tokens per position in the background cache")
-    parser.add_argument("--no-first-sight", action="store_true", help="skip the `cached bg, first sight` rows")
-    parser.add_argument("--no-validation", action="store_true", help="skip timing the validation/composition")
-    parser.add_argument("--max-load", type=float, default=1.0)
-    parser.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the load to drop")
-    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
-    args = parser.parse_args()
-    if min(args.reps, args.steps) < 1 or args.warmup < 1:
-        parser.error("--reps and --steps must be >= 1, --warmup >= 1 (step 0 logs and builds AdamW state)")
-    args.batches = args.warmup + args.steps + 1
-    command = "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]])
-
-    t0 = time.perf_counter()
-    load_start, load_ready, quiet = wait_for_quiet(args.max_load, args.wait)
-    waited = time.perf_counter() - t0
-    threads_note = ""
-    if args.threads is None and not quiet:
-        args.threads = 1
-        threads_note = f" (forced: load {load_ready:.2f} > {args.max_load} after waiting)"
-
-    import logging
-    import warnings
-
-    import lightning.pytorch  # noqa: F401  (sets its loggers' levels on import; quiet them after)
-    import torch
-
-    sys.path.insert(0, str(ROOT))
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    cfg, dm, task, batches = build(args)
+def time_steps(args: argparse.Namespace, cfg, dm, task, batches) -> tuple:
+    """Every configuration fitted in turn, ``args.reps`` times: the modules, ms per step of each, background
+    forwards on timed steps, the cache fill costs, and the validation timings with the composition's results."""
     modes = ["lora"] if args.no_full else ["lora", "full"]
     lam = cfg.expert.reg_weight
     kinds = {"plain": (0.0, None), "regularized": (lam, None), CACHED: (lam, args.top_k), FIRST_SIGHT: (lam, args.top_k)}
     if args.no_first_sight:
         del kinds[FIRST_SIGHT]
+    refused = cache_refused(cfg, args.top_k)
+    if refused:
+        print(f"no background-cache rows: {refused}", flush=True)
+        kinds = {k: v for k, v in kinds.items() if v[1] is None}
     modules, fills = {}, {}
     for mode in modes:
         for kind, (weight, top_k) in kinds.items():
@@ -306,7 +268,48 @@ def main() -> None:
             comp_ms.append(ms)
             val_ms.append(total)
 
-    med = {key: statistics.median(v) for key, v in samples.items()}
+    return modules, samples, bg_calls, fills, comp_ms, val_ms, comp_results
+
+
+def cache_refused(cfg, top_k: int) -> str | None:
+    """Why the experiment's settings cannot take the background cache (e.g. the features regularizer), or None."""
+    import dataclasses
+
+    from lightning_modules.pipeline.build import expert_settings
+
+    try:
+        dataclasses.replace(expert_settings(cfg), background_top_k=top_k)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median reported)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repetition")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them in each fit")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows")
+    parser.add_argument("--background", default=None, help="a trained background HF folder (default: random)")
+    parser.add_argument("--config", type=Path, action="append", default=[],
+                        help="an experiment YAML merged over the defaults (repeatable)")
+    parser.add_argument("--override", action="append", default=[], help="a dotted.key=value config override")
+    parser.add_argument("--top-k", type=int, default=64, help="tokens per position in the background cache")
+    parser.add_argument("--no-first-sight", action="store_true", help="skip the `cached bg, first sight` rows")
+    parser.add_argument("--no-validation", action="store_true", help="skip timing the validation/composition")
+    parser.add_argument("--max-load", type=float, default=1.0)
+    parser.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the load to drop")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    args = parser.parse_args()
+    if min(args.reps, args.steps) < 1 or args.warmup < 1:
+        parser.error("--reps and --steps must be >= 1, --warmup >= 1 (step 0 logs and builds AdamW state)")
+    args.batches = args.warmup + args.steps + 1
+    return args
+
+
+def step_table(args: argparse.Namespace, batches, modules, med, bg_calls, fills) -> list[str]:
+    """The table of ms per step (ratios to the plain step, targets, background forwards) and the cache fills."""
     lines = ["| mode | step | ms/step | ratio to plain | target | bg forwards on timed steps |",
              "|---|---|---|---|---|---|"]
     for mode, kind in modules:
@@ -322,22 +325,59 @@ def main() -> None:
                       f"takes {fill:.1f} ms per batch against {forward:.1f} ms for the background forward alone "
                       f"({fill / forward:.2f}×); it holds {nbytes / rows / 1e3:.1f} kB per row "
                       f"({nbytes / 1e6:.2f} MB for {rows} rows)"]
+    return lines
+
+
+def validation_lines(every: int, med, comp_ms: list[float], val_ms: list[float], comp_results: dict) -> list[str]:
+    """What one validation (the composition, and the whole of it) adds to `every` training steps."""
+    comp, val = statistics.median(comp_ms), statistics.median(val_ms)
+    reg_window = every * med["lora", "regularized"]
+    plain_window = every * med["lora", "plain"]
+    return [
+        "",
+        f"composition eval (`CompositionEvaluation` → `Task.composition_metrics` on {comp_results['n']} compositional "
+        f"val inputs): {comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
+        f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
+        f"({100 * comp / plain_window:.0f} % of {every} plain steps)",
+        "",
+        f"whole validation (`Trainer.validate`: per-expert loop on {comp_results['val_rows']} val rows + the "
+        f"composition): {val / 1e3:.2f} s → adds {100 * val / reg_window:.0f} % per {every} regularized steps",
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    command = "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]])
+
+    t0 = time.perf_counter()
+    load_start, load_ready, quiet = wait_for_quiet(args.max_load, args.wait)
+    waited = time.perf_counter() - t0
+    threads_note = ""
+    if args.threads is None and not quiet:
+        args.threads = 1
+        threads_note = f" (forced: load {load_ready:.2f} > {args.max_load} after waiting)"
+
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401  (sets its loggers' levels on import; quiet them after)
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    cfg, dm, task, batches = build(args)
+    modules, samples, bg_calls, fills, comp_ms, val_ms, comp_results = time_steps(args, cfg, dm, task, batches)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    lines = step_table(args, batches, modules, med, bg_calls, fills)
     every = cfg.trainer.val_check_interval
     n_tokens = len(batches[0]["input_ids"]) * batches[0]["input_ids"].shape[1]
     if not args.no_validation:
-        comp, val = statistics.median(comp_ms), statistics.median(val_ms)
-        reg_window = every * med["lora", "regularized"]
-        plain_window = every * med["lora", "plain"]
-        lines += [
-            "",
-            f"composition eval (`CompositionEvaluation` → `Task.composition_metrics` on {comp_results['n']} compositional "
-            f"val inputs): {comp / 1e3:.2f} s (median of {len(comp_ms)}) vs {every} regularized LoRA steps "
-            f"{reg_window / 1e3:.2f} s → **composition eval adds {100 * comp / reg_window:.0f} % per {every} steps** "
-            f"({100 * comp / plain_window:.0f} % of {every} plain steps)",
-            "",
-            f"whole validation (`Trainer.validate`: per-expert loop on {comp_results['val_rows']} val rows + the "
-            f"composition): {val / 1e3:.2f} s → adds {100 * val / reg_window:.0f} % per {every} regularized steps",
-        ]
+        lines += validation_lines(every, med, comp_ms, val_ms, comp_results)
     load_end = os.getloadavg()[0]
     exact_note = "" if args.no_validation else f"; composed exact match at the last eval {comp_results['exact_match']:.3f}"
     lines += [
@@ -347,7 +387,8 @@ def main() -> None:
         f"{platform.machine()}; batch {len(batches[0]['input_ids'])} rows × {batches[0]['input_ids'].shape[1]} "
         f"tokens (first batch, {n_tokens} positions); LoRA r={cfg.expert.lora.r} on "
         f"{_targets(cfg.expert.lora.target_modules)}; regularizer λ={cfg.expert.reg_weight:g} · "
-        f"{cfg.expert.divergence} at T={cfg.expert.temperature:g}, reg_data={cfg.expert.reg_data}; "
+        f"{cfg.expert.divergence} at T={cfg.expert.temperature:g}, reg_data={cfg.expert.reg_data}, "
+        f"{cfg.expert.regularizer} regularizer; "
         f"median of {args.steps} steps after "
         f"{args.warmup} warm-up, median of {args.reps} interleaved reps; background "
         f"{args.background or cfg.background.path or 'untrained (random init)'}"

@@ -140,6 +140,10 @@ class ExpertSettings:
             raise SettingsError("{cache} needs {divergence} " + f"{', '.join(kinds[:-1])} or {kinds[-1]} "
                                 f"({self.divergence} is not cacheable: it needs the background's full distribution); "
                                 "set {no_cache}", cache=cache, divergence=("divergence",), no_cache=(*cache, None))
+        if self.background_top_k is not None and self.regularizer == "features":
+            raise SettingsError("{cache} cannot be used with {features}: it needs the background's full logits; set "
+                                "{no_cache}", cache=cache, features=("regularizer", "features"),
+                                no_cache=(*cache, None))
         if self.loss_chunk_size is None:
             return
         if self.background_top_k is not None:  # the cache gathers off-mask positions of the whole batch at once

@@ -130,7 +130,6 @@ def check_config(cfg: DictConfig) -> None:
     """Values the schema cannot check: systems, formats, stop styles, composition, and that every local
     path exists (model folders, problem files, the lm-eval include path). One-line ValueError."""
     from compose.composed_lm import COMPOSITIONS
-    from compose.frontends.code_generation import STOP_STYLES
     from compose.frontends.model_folders import check_model_folder
     from compose.model_io import DTYPE_NAMES as DTYPES
 
@@ -138,12 +137,28 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.composition not in COMPOSITIONS:
         raise ValueError(f"composition must be one of {COMPOSITIONS}, got {cfg.composition!r}")
+    _check_systems(cfg)
+    _check_benchmarks(cfg)
+    check_model_folder(cfg.background, "background")
+    for name, folder in cfg.experts.items():
+        if name in (BACKGROUND, COMPOSITION, TASK_ARITHMETIC):
+            raise ValueError(f"experts: the name {name!r} is reserved for a system")
+        check_model_folder(folder, f"expert {name!r}")
+
+
+def _check_systems(cfg: DictConfig) -> None:
     known = [BACKGROUND, *cfg.experts, COMPOSITION, TASK_ARITHMETIC]
     for system in cfg.systems:
         if system not in known:
             raise ValueError(f"systems: unknown system {system!r} (known: {', '.join(known)})")
     if len(set(cfg.systems)) != len(cfg.systems):
         raise ValueError(f"systems: a system is listed twice: {list(cfg.systems)}")
+
+
+def _check_benchmarks(cfg: DictConfig) -> None:
+    """The benchmarks: at least one, names apart, the code ones' formats, stop styles and problem files."""
+    from compose.frontends.code_generation import STOP_STYLES
+
     if not cfg.code.benchmarks and not cfg.lm_eval.tasks:
         raise ValueError("no benchmark: code.benchmarks and lm_eval.tasks are both empty")
     clash = sorted(set(cfg.code.benchmarks) & set(cfg.lm_eval.tasks))
@@ -152,11 +167,6 @@ def check_config(cfg: DictConfig) -> None:
     for key in cfg.paper:
         if key not in cfg.code.benchmarks and key not in cfg.lm_eval.tasks:
             raise ValueError(f"paper.{key}: no such benchmark (code.benchmarks, lm_eval.tasks)")
-    check_model_folder(cfg.background, "background")
-    for name, folder in cfg.experts.items():
-        if name in (BACKGROUND, COMPOSITION, TASK_ARITHMETIC):
-            raise ValueError(f"experts: the name {name!r} is reserved for a system")
-        check_model_folder(folder, f"expert {name!r}")
     for name, bench in cfg.code.benchmarks.items():
         if bench.format not in CODE_FORMATS:
             raise ValueError(f"code.benchmarks.{name}.format must be one of {CODE_FORMATS}, got {bench.format!r}")

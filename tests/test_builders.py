@@ -125,6 +125,11 @@ def test_config_errors_name_the_keys_of_settings_that_do_not_go_together():
         load_config(overrides=["expert.position_jump=2", "expert.background_cache={top_k: 4}"], base=DEFAULT)
     with pytest.raises(ValueError, match=r"^position_jump cannot be used with background_top_k"):
         dataclasses.replace(expert_settings(load_config(base=DEFAULT)), position_jump=2, background_top_k=4)
+    # the features regularizer reads the background's full logits, which the cache does not hold
+    with pytest.raises(ConfigError, match=r"^expert\.background_cache cannot be used with expert\.regularizer="
+                                          r"features: .*; set expert\.background_cache=null$"):
+        load_config([str(ROOT / "configs/experiment/features.yaml")], ["expert.background_cache={top_k: 4}"],
+                    base=DEFAULT)
 
 
 def test_expert_defaults_are_the_schemas():
