@@ -238,8 +238,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sets", nargs="*", default=None, help="only the prompt sets whose name contains one of these")
     parser.add_argument("--catch-up-alone", action="store_true",
-                        help="every catch-up a prefill of its own (decoding.FUSED_CATCH_UP_TOKENS = 0), as before "
-                             "short catch-ups joined the step's forward")
+                        help="every catch-up a prefill of its own (decoding.FUSED_CATCH_UP_TOKENS = 0) instead of "
+                             "short catch-ups joining the step's forward")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--append", action="store_true", help="append the rows (and footer) to --out")
     args = parser.parse_args()

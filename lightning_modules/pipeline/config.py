@@ -202,7 +202,8 @@ class TrainerConfig:
 class RunConfig:
     experiment: str = "letters"
     seed: int = 0
-    # The task: `name` (letters | intervals | text, data/tasks/) and that task's own settings.
+    # The task: `name` (a task registered in `data.tasks.TASKS`: letters, intervals, text, features, or one's own)
+    # and that task's own settings.
     task: Any = field(default_factory=lambda: {"name": "letters"})
     output_dir: str | None = None  # default: runs/<experiment>/<timestamp>
     ckpt_path: str | None = None  # "last": resume the interrupted stage from output_dir's checkpoints
@@ -278,12 +279,20 @@ def _kind_mismatch(cfg: Any, update: Any, prefix: str = "") -> str:
     return f"bad value{f' under {prefix[:-1]}' if prefix else ''}: a list where a mapping belongs, or the reverse"
 
 
+def _task_names() -> str:
+    """The registered task names, as an error lists them: "a, b or c"."""
+    from data.tasks import TASKS
+
+    names = list(TASKS)
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
 def _merge(cfg: DictConfig, update: Any) -> DictConfig:
     """Merge `update` over `cfg`; a `task.name` that switches task replaces the whole `task:` node (the old
     task's settings mean nothing to the new one)."""
     task = update.get("task") if isinstance(update, DictConfig) else None
     if task is not None and not isinstance(task, DictConfig):
-        raise ConfigError(f"task: must be a mapping with a 'name' (letters, intervals or text), got {task!r}")
+        raise ConfigError(f"task: must be a mapping with a 'name' ({_task_names()}), got {task!r}")
     new_name = task.get("name") if isinstance(task, DictConfig) else None
     if new_name is not None and new_name != OmegaConf.select(cfg, "task.name"):
         cfg = cfg.copy()
@@ -620,7 +629,7 @@ def is_pretrained(cfg: DictConfig) -> bool:
 
 def lora_target_modules(cfg: DictConfig) -> str | list[str]:
     """`expert.lora.target_modules`, or when null: peft's "all-linear" for a pretrained model or a GPT-2, and
-    LLAMA_LORA_TARGETS for a Llama built from scratch (the same layers, listed as the first runs did)."""
+    LLAMA_LORA_TARGETS for a Llama built from scratch (the same layers, named)."""
     targets = cfg.expert.lora.target_modules
     if targets is not None:
         return targets if isinstance(targets, str) else list(targets)
@@ -646,7 +655,7 @@ def resolve_task_config(cfg: DictConfig, sources: dict[str, str] | None = None) 
 
     node = OmegaConf.to_container(cfg.task, resolve=True) if isinstance(cfg.task, DictConfig) else cfg.task
     if not isinstance(node, dict) or "name" not in node:
-        raise ConfigError("task: must be a mapping with a 'name' (letters, intervals or text)")
+        raise ConfigError(f"task: must be a mapping with a 'name' ({_task_names()})")
     node = dict(node)
     name = node.pop("name")
     try:
