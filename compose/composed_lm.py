@@ -11,6 +11,11 @@ Scoring is teacher-forced; generation prefills the prompt once and then feeds on
 generation can be lazy (``generate(..., lazy=True)``): an expert whose interval is closed gets no forward and
 catches up with one prefill of the tokens it missed when it opens.
 
+Two exact identities cut the work where they hold (:attr:`ComposedLM.paths`, chosen automatically, each can be
+turned off): *one head* — every component shares an untouched output head, so the composed log-probs are the head
+applied once to the mixed final hidden states (:class:`compose.heads.OneHead`); *shared trunk* — LoRA experts that
+adapt only the top layers share the background's lower layers and their KV cache (:mod:`compose.trunk`).
+
 How the adapters backend runs its row blocks is :mod:`compose.grouped_lora`; how a decoding step runs (eager,
 compiled, lazy) is :mod:`compose.decoding`.
 """
@@ -39,15 +44,38 @@ from transformers.cache_utils import Cache
 from compose.decoding import CompiledSteps, LazySteps, PlainSteps, check_compile, static_cache_length
 from compose.export import load_export
 from compose.grouped_lora import BASE_ADAPTER, adapter_rows, lora_blocks, row_blocks
-from compose.heads import hidden_and_head
+from compose.heads import OneHead, decoder_of, hidden_and_head, mix_hidden, one_head_check
 from compose.modules import accepts, eval_mode
 from compose.operator import compose_logprobs
 from compose.positions import next_position_ids, position_restart_token
 from compose.positions import position_ids as position_ids_of
+from compose.trunk import TrunkState, decoder_layers, shared_trunk, trunk_start
 from compose.vocab import check_same_vocab, check_tokenizers, vocab_sizes
 
 COMPOSITIONS = ("soft", "gated")
 Gate = Callable[[Tensor], Any]
+
+
+@dataclass(frozen=True)
+class DecodingPaths:
+    """Which exact shortcuts a :class:`ComposedLM` takes, and why (see :attr:`ComposedLM.paths`).
+
+    ``one_head``: the output head runs once on the mixed final hidden states instead of once per component.
+    ``trunk_start``: the decoder layers below it run on the background's rows only (0: no shared trunk), of
+    ``num_layers``. The ``*_why`` fields say why each applies or not, in words.
+    """
+
+    one_head: bool
+    one_head_why: str
+    trunk_start: int
+    num_layers: int | None
+    trunk_why: str
+
+    def describe(self) -> str:
+        head = "one head" if self.one_head else "one head per component"
+        trunk = (f"shared trunk: {_layer_span(self.trunk_start)} of {self.num_layers} on the background's rows"
+                 if self.trunk_start else "no shared trunk")
+        return f"{head} ({self.one_head_why}); {trunk} ({self.trunk_why})"
 
 
 class ComposedLM(nn.Module):
@@ -69,10 +97,17 @@ class ComposedLM(nn.Module):
             ``{"interval": {"start": "[", "end": "]"}}`` (see ``compose.intervals.IntervalSpec``).
         composition: ``"soft"`` (every expert acts at every step) or ``"gated"`` (:meth:`generate`
             gates each expert with an ``interval`` spec by its stopping-time detector; needs a tokenizer).
+        one_head: run the shared output head once on the mixed hidden states (:attr:`paths`): None (default) where
+            it is exact, False never, True or an error naming why it does not apply.
+        shared_trunk: run the layers no expert adapts on the background's rows only (adapters backend): None
+            (default) where it applies, False never, True or an error naming why it does not apply.
+        lazy: the default of :meth:`generate`'s ``lazy`` (gated composition skips the experts whose interval is
+            closed); the front ends set it for gated evaluation.
 
     Raises:
         ValueError: a component's vocabulary size or tokenizer differs from the background's (checked
-            before any forward pass), or weights/names have the wrong length.
+            before any forward pass), weights/names have the wrong length, or a path forced with ``one_head=True``
+            or ``shared_trunk=True`` does not apply.
     """
 
     def __init__(
@@ -86,13 +121,16 @@ class ComposedLM(nn.Module):
         tokenizer=None,
         specs: Sequence[Mapping[str, Any]] | None = None,
         composition: str = "soft",
+        one_head: bool | None = None,
+        shared_trunk: bool | None = None,
+        lazy: bool | str = False,
     ) -> None:
         super().__init__()
         experts = list(experts)
         names = [f"expert_{i}" for i in range(len(experts))] if names is None else [str(n) for n in names]
         if len(names) != len(experts):
             raise ValueError(f"names has {len(names)} entries but there are {len(experts)} experts")
-        self._setup(names, weights, min_logprob, specs, composition)
+        self._setup(names, weights, min_logprob, specs, composition, one_head, shared_trunk, lazy)
         components = [("background", background)] + [
             (f"expert {n!r}", m) for n, m in zip(names, experts, strict=True)
         ]
@@ -102,6 +140,7 @@ class ComposedLM(nn.Module):
         self.background = background
         self.experts = nn.ModuleList(experts)
         self.model = None
+        self._check_forced_paths()
 
     @classmethod
     def from_peft(
@@ -114,13 +153,16 @@ class ComposedLM(nn.Module):
         tokenizer=None,
         specs: Sequence[Mapping[str, Any]] | None = None,
         composition: str = "soft",
+        one_head: bool | None = None,
+        shared_trunk: bool | None = None,
+        lazy: bool | str = False,
     ) -> ComposedLM:
         """Adapters backend: the PeftModel's base model is the background, each named adapter an expert.
 
         Args:
             model: a ``peft.PeftModel`` holding (at least) the named LoRA adapters, none merged.
             adapter_names: the adapters to compose, in order; they become :attr:`names`.
-            weights, min_logprob, tokenizer, specs, composition: as in the constructor.
+            weights, min_logprob, tokenizer, specs, composition, one_head, shared_trunk, lazy: as in the constructor.
         """
         from peft import PeftModel
 
@@ -138,12 +180,13 @@ class ComposedLM(nn.Module):
                 raise ValueError(f"adapter {name!r} uses DoRA, which peft's mixed-adapter batches do not support")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(names, weights, min_logprob, specs, composition)
+        self._setup(names, weights, min_logprob, specs, composition, one_head, shared_trunk, lazy)
         self.tokenizer = check_tokenizers(tokenizer, ["background"] + [f"expert {n!r}" for n in names])
         self.backend = "adapters"
         self.background = None
         self.experts = nn.ModuleList()
         self.model = model
+        self._check_forced_paths()
         return self
 
     @classmethod
@@ -154,16 +197,21 @@ class ComposedLM(nn.Module):
         backend: str = "adapters",
         device: torch.device | str | None = None,
         composition: str = "soft",
+        one_head: bool | None = None,
+        shared_trunk: bool | None = None,
+        lazy: bool | str = False,
     ) -> ComposedLM:
         """Load an export folder (see :func:`compose.export.export_composition`).
 
         Checksums are verified first (a corrupt or truncated file raises ``ValueError`` naming it).
         ``backend="adapters"`` loads every LoRA expert into one PeftModel; ``backend="separate"`` merges
         each LoRA into its own full copy of the background. Full-model experts need ``"separate"``.
-        ``composition="gated"`` gates each expert by the ``interval`` of its stored spec.
+        ``composition="gated"`` gates each expert by the ``interval`` of its stored spec. ``one_head``,
+        ``shared_trunk`` and ``lazy`` are the constructor's (:attr:`paths`).
         """
         loaded = load_export(path, backend=backend)
-        common = dict(weights=loaded.weights, tokenizer=loaded.tokenizer, specs=loaded.specs, composition=composition)
+        common = dict(weights=loaded.weights, tokenizer=loaded.tokenizer, specs=loaded.specs, composition=composition,
+                      one_head=one_head, shared_trunk=shared_trunk, lazy=lazy)
         if isinstance(loaded.experts, list):
             composed = cls(loaded.background, loaded.experts, names=loaded.names, **common)
         else:
@@ -178,6 +226,9 @@ class ComposedLM(nn.Module):
         min_logprob: float,
         specs: Sequence[Mapping[str, Any]] | None = None,
         composition: str = "soft",
+        one_head: bool | None = None,
+        shared_trunk: bool | None = None,
+        lazy: bool | str = False,
     ) -> None:
         k = len(names)
         if len(set(names)) != k:
@@ -190,6 +241,90 @@ class ComposedLM(nn.Module):
         self.min_logprob = float(min_logprob)
         self.specs = specs
         self.composition = composition
+        for key, value in (("one_head", one_head), ("shared_trunk", shared_trunk)):
+            if value not in (None, True, False):
+                raise ValueError(f"{key} must be None (where exact), True or False, got {value!r}")
+        self._forced = {"one_head": one_head, "shared_trunk": shared_trunk}
+        self._paths: tuple[DecodingPaths, OneHead | None] | None = None
+        self.lazy = _check_lazy(lazy)
+        self.floor_fallbacks = 0  # steps / score blocks where the floor could be reached: heads per component
+
+    # ------------------------------------------------------------------ exact shortcuts
+
+    @property
+    def paths(self) -> DecodingPaths:
+        """The exact shortcuts this model takes (one output head, shared trunk) and why; checked once, on first use.
+
+        One head needs every component's logits to be one plain linear head, the same weights for all, on its
+        decoder's output: not with LoRA on the output head, experts with head weights of their own, or a final
+        logit soft-cap. The shared trunk needs the adapters backend and experts that leave the lower layers
+        untouched (peft's ``layers_to_transform``). Where the background's floor ``min_logprob`` could be reached,
+        a step runs the heads per component instead (counted in :attr:`floor_fallbacks`). Compiled decoding
+        (``generate(compile=...)``) takes neither shortcut.
+        """
+        return self._decoding_paths()[0]
+
+    def describe(self) -> str:
+        """One line: backend, experts, composition and :attr:`paths`."""
+        floor = f"; {self.floor_fallbacks} step(s) near the floor ran a head per component" if self.floor_fallbacks else ""
+        return (f"{self.backend} backend, {self.num_experts} expert(s) {self.names}, {self.composition}; "
+                f"{self.paths.describe()}{floor}")
+
+    def _decoding_paths(self) -> tuple[DecodingPaths, OneHead | None]:
+        if self._paths is None:
+            head, head_why = (None, "turned off (one_head=False)") if self._forced["one_head"] is False \
+                else self._one_head()
+            start, trunk_why = (0, "turned off (shared_trunk=False)") if self._forced["shared_trunk"] is False \
+                else self._trunk_start()
+            layers = decoder_layers(self.base_model)
+            paths = DecodingPaths(head is not None, head_why, start, None if layers is None else len(layers),
+                                  trunk_why)
+            self._paths = (paths, head)
+        return self._paths
+
+    def _one_head(self) -> tuple[OneHead | None, str]:
+        if self.num_experts == 0:
+            return None, "no experts"
+        if self.backend == "separate":
+            return one_head_check([("background", self.background)]
+                                  + [(f"expert {n!r}", m) for n, m in zip(self.names, self.experts, strict=True)])
+        from peft.tuners.lora import LoraLayer
+
+        base = self.base_model
+        head = base.get_output_embeddings()
+        if isinstance(head, LoraLayer):
+            adapted = [n for n in self.names if n in head.lora_A or n in getattr(head, "lora_embedding_A", {})]
+            if adapted:
+                return None, f"expert {adapted[0]!r} adapts the output head (LoRA on it)"
+        return one_head_check([("background", base)])
+
+    def _trunk_start(self) -> tuple[int, str]:
+        if self.backend != "adapters":
+            return 0, "the separate backend runs each expert's own layers"
+        if self.num_experts == 0:
+            return 0, "no experts"
+        return trunk_start(self.model, self.names)
+
+    def _check_forced_paths(self) -> None:
+        """``one_head=True`` / ``shared_trunk=True`` where the path does not apply: a one-line error naming why."""
+        if not any(self._forced.values()):
+            return
+        paths = self.paths
+        if self._forced["one_head"] and not paths.one_head:
+            raise ValueError(f"one_head=True does not apply: {paths.one_head_why}")
+        if self._forced["shared_trunk"] and not paths.trunk_start:
+            raise ValueError(f"shared_trunk=True does not apply: {paths.trunk_why}")
+
+    def _compose_hidden(self, hidden: Tensor, weights: Sequence[float], masks: Tensor | None) -> Tensor:
+        """Composed log-probs ``[..., V]`` from the components' final hidden states ``[1+k', ..., d]`` (background
+        first) with one head call; with per-component heads where the floor could be reached (exactly the plain
+        path then)."""
+        head = self._decoding_paths()[1]
+        if head.floor_free(hidden, self.min_logprob):
+            return head(mix_hidden(hidden, weights, masks)).log_softmax(-1)
+        self.floor_fallbacks += 1
+        logits = head(hidden)
+        return compose_logprobs(logits[0], logits[1:], weights, masks, self.min_logprob)
 
     @property
     def specs(self) -> list[dict]:
@@ -329,12 +464,38 @@ class ComposedLM(nn.Module):
         return [DynamicCache(config=m.config) for m in self.step_modules()]
 
     @contextmanager
-    def _running(self, batch_size: int) -> Iterator[None]:
+    def _running(self, batch_size: int, trunk: bool = True) -> Iterator[None]:
         """Eval mode and, for the adapters backend, the mixed-adapter batch of ``batch_size`` rows per component
-        (:func:`compose.grouped_lora.adapter_rows`) for a whole ``generate`` / ``score`` call."""
-        with eval_mode(self), (adapter_rows(self.model, self.names, batch_size) if self.backend == "adapters"
-                               else contextlib.nullcontext()):
+        (:func:`compose.grouped_lora.adapter_rows`) for a whole ``generate`` / ``score`` call; with ``trunk``, the
+        shared trunk where :attr:`paths` has one (:func:`compose.trunk.shared_trunk`)."""
+        start = self._decoding_paths()[0].trunk_start if trunk and self.backend == "adapters" else 0
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(eval_mode(self))
+            if self.backend == "adapters":
+                stack.enter_context(adapter_rows(self.model, self.names, batch_size))
+            if start:
+                stack.enter_context(shared_trunk(self.base_model, TrunkState(start, batch_size)))
             yield
+
+    def component_hidden(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        caches: Sequence[Cache] | None,
+        last_only: bool,
+    ) -> Tensor:
+        """Final (normalized) hidden states of every component ``[k+1, B, T', d]`` (``T' = 1`` when ``last_only``),
+        background first: what each output head takes. Arguments as in :meth:`component_logits`."""
+        if self.backend == "adapters":
+            n, b = self.num_experts + 1, input_ids.shape[0]
+            hidden = _decoder_hidden(self.base_model, row_blocks(input_ids, n), row_blocks(attention_mask, n),
+                                     row_blocks(position_ids, n), None if caches is None else caches[0], last_only)
+            return hidden.view(n, b, *hidden.shape[1:])
+        models = [self.background, *self.experts]
+        return torch.stack([_decoder_hidden(m, input_ids, attention_mask, position_ids,
+                                            None if caches is None else caches[i], last_only)
+                            for i, m in enumerate(models)])
 
     @torch.no_grad()
     def component_logprobs(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -376,18 +537,9 @@ class ComposedLM(nn.Module):
         Yields:
             ``(positions, logits)``: a slice of the ``T`` axis and float32 ``[k+1, B, c, V]`` (background first).
         """
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
-        input_ids = input_ids.to(self.device)
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+        input_ids, attention_mask, position_ids = self._teacher_forced(input_ids, attention_mask, chunk_size)
         batch, length = input_ids.shape
         n = self.num_experts + 1
-        position_ids = None
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-        if attention_mask is not None or self.position_restart is not None:
-            position_ids = position_ids_of(input_ids, attention_mask, self.position_restart)
         with self._running(batch):
             heads = self._final_hidden_states(input_ids, attention_mask, position_ids)
             if heads is None:  # an output head we cannot call on its own: all positions at once
@@ -405,6 +557,22 @@ class ComposedLM(nn.Module):
                 yield positions, logits.view(n, batch, *logits.shape[-2:])
                 del logits
 
+    def _teacher_forced(self, input_ids: Tensor, attention_mask: Tensor | None,
+                        chunk_size: int | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Scoring's inputs on the device, checked, with their position ids (None where the model's own do)."""
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+        input_ids = input_ids.to(self.device)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+        position_ids = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        if attention_mask is not None or self.position_restart is not None:
+            position_ids = position_ids_of(input_ids, attention_mask, self.position_restart)
+        self._decoding_paths()
+        return input_ids, attention_mask, position_ids
+
     @torch.no_grad()
     def score(
         self,
@@ -418,7 +586,8 @@ class ComposedLM(nn.Module):
 
         Composed block by block of positions (:meth:`component_logit_blocks`): besides the ``[B, T, V]``
         result, at most ``(k+1)·B·chunk_size·V`` float32 logits (and the composition's temporaries of that
-        size) are held at once, never ``(k+1)·B·T·V``.
+        size) are held at once, never ``(k+1)·B·T·V``. With one head (:attr:`paths`) a block is the head's
+        ``B·chunk_size·V`` logits of the mixed hidden states: no more than one component's.
 
         Args:
             input_ids: ``[B, T]`` token ids.
@@ -431,6 +600,8 @@ class ComposedLM(nn.Module):
             if tuple(masks.shape) != expected:
                 raise ValueError(f"masks has shape {tuple(masks.shape)}, expected {expected} ([k, B, T])")
             masks = masks.to(self.device)
+        if self.num_experts and self._decoding_paths()[0].one_head:
+            return self._score_one_head(input_ids, attention_mask, masks, chunk_size)
         out = None
         for positions, logits in self.component_logit_blocks(input_ids, attention_mask, chunk_size=chunk_size):
             block = compose_logprobs(logits[0], logits[1:], self.weights,
@@ -439,6 +610,26 @@ class ComposedLM(nn.Module):
             if out is None:
                 out = block.new_empty(block.shape[0], input_ids.shape[1], block.shape[-1])
             out[:, positions] = block
+        return out
+
+    def _score_one_head(self, input_ids: Tensor, attention_mask: Tensor | None, masks: Tensor | None,
+                        chunk_size: int | None) -> Tensor:
+        """:meth:`score` with one head call per block on the mixed hidden states (the one-head identity)."""
+        input_ids, attention_mask, position_ids = self._teacher_forced(input_ids, attention_mask, chunk_size)
+        batch, length = input_ids.shape
+        with self._running(batch):
+            hidden = self.component_hidden(input_ids, attention_mask, position_ids, None, last_only=False)
+        head = self._decoding_paths()[1]
+        chunk = chunk_size or score_chunk_size(1, batch, head.head.weight.shape[0])
+        out = None
+        for start in range(0, length, chunk):
+            positions = slice(start, min(start + chunk, length))
+            block = self._compose_hidden(hidden[:, :, positions], self.weights,
+                                         None if masks is None else masks[:, :, positions])
+            if out is None:
+                out = block.new_empty(batch, length, block.shape[-1])
+            out[:, positions] = block
+            del block
         return out
 
     def _final_hidden_states(
@@ -494,7 +685,7 @@ class ComposedLM(nn.Module):
         generator: torch.Generator | None = None,
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
-        lazy: bool | str = False,
+        lazy: bool | str | None = None,
         compile: bool | str = False,
         streamer=None,
         stopping_criteria: Callable[[Tensor, Tensor], Tensor] | None = None,
@@ -535,13 +726,16 @@ class ComposedLM(nn.Module):
                 ``"decode"``: every expert prefills the prompt with the background (as without lazy), only decoding
                 steps are skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
                 floating-point rounding of the logits); the adapters backend then runs the background and the
-                open experts as one batch of row blocks. Ignored without gates.
+                open experts as one batch of row blocks; with a shared trunk (:attr:`paths`) a catch-up runs only the
+                expert's own top layers, on the trunk outputs kept for it. Ignored without gates. None (default):
+                :attr:`lazy`.
             compile: run each decoding step through ``torch.compile`` (one graph, static shapes) on static KV caches
                 (transformers' ``StaticCache``, ``STATIC_CACHE_STEP``-token multiples); the prompt's forward stays
                 eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
                 on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
                 minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
-                floating-point rounding; not with ``lazy``. Checked by :func:`check_compile`.
+                floating-point rounding; not with ``lazy``; takes neither shortcut of :attr:`paths`. Checked by
+                :func:`check_compile`.
             streamer: an object with transformers' streamer interface (``TextStreamer``,
                 ``TextIteratorStreamer``): ``put`` gets the (left-aligned) prompt ``[B, T]`` once, then each step's
                 tokens ``[B]`` (on the CPU, finished rows' as pad), and ``end()`` is called when decoding stops.
@@ -569,7 +763,7 @@ class ComposedLM(nn.Module):
         gates = self._gates(gates, prompt_len=input_ids.shape[1])
         choose = _token_chooser(do_sample, temperature, top_k, top_p, generator)
         stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
-        lazy = _check_lazy(lazy)
+        lazy = self.lazy if lazy is None else _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
         compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
@@ -593,7 +787,8 @@ class ComposedLM(nn.Module):
         for step in range(max_new_tokens):
             masks = _gate_masks(gates, input_ids, device)
             active = _active_experts(masks, unfinished) if lazy else None
-            scores = self._composed_step(decode(input_ids, attention_mask, positions, active), masks, active)
+            scores = self._composed_step(decode(input_ids, attention_mask, positions, active), masks, active,
+                                         decode.hidden)
             next_tokens = finishing.fill(choose(input_ids, scores), unfinished)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             done = finishing.done(next_tokens, input_ids, scores)
@@ -610,14 +805,16 @@ class ComposedLM(nn.Module):
             streamer.end()
         return input_ids
 
-    def _composed_step(self, logits: Tensor, masks: Tensor | None, active: list[int] | None) -> Tensor:
-        """Composed log-probs ``[B, V]`` of one step from its logits ``[1 + k', B, V]`` (background first; with
-        ``active``, only those experts ran)."""
-        if active is None:
-            return compose_logprobs(logits[0], logits[1:], self.weights, masks, self.min_logprob)
-        # the skipped experts' gates are closed on every unfinished row: their factor is 1 there
-        weights = [self.weights[i] for i in active]
-        return compose_logprobs(logits[0], logits[1:], weights, masks[active], self.min_logprob)
+    def _composed_step(self, out: Tensor, masks: Tensor | None, active: list[int] | None,
+                       hidden: bool = False) -> Tensor:
+        """Composed log-probs ``[B, V]`` of one step from its logits ``[1 + k', B, V]``, or with ``hidden`` its final
+        hidden states ``[1 + k', B, d]`` (background first; with ``active``, only those experts ran)."""
+        weights = self.weights
+        if active is not None:  # the skipped experts' gates are closed on every unfinished row: their factor is 1 there
+            weights, masks = [self.weights[i] for i in active], masks[active]
+        if hidden:
+            return self._compose_hidden(out, weights, masks)
+        return compose_logprobs(out[0], out[1:], weights, masks, self.min_logprob)
 
     def _gates(self, gates: Sequence[Gate | None] | None, prompt_len: int) -> Sequence[Gate | None] | None:
         """``generate``'s gates: as given, or with ``composition="gated"`` and none given, the specs' intervals."""
@@ -634,17 +831,24 @@ class ComposedLM(nn.Module):
                   mode: str | None = None) -> Iterator[PlainSteps | CompiledSteps | LazySteps]:
         """Eval mode and the step function of :meth:`generate`: every component each step (compiled when a static
         cache length is given), or the lazy one."""
+        paths = self._decoding_paths()[0]
+        hidden = paths.one_head and static_length is None and self.num_experts > 0
         if not lazy:
-            with self._running(batch_size):
-                yield PlainSteps(self) if static_length is None else CompiledSteps(self, static_length, mode)
+            with self._running(batch_size, trunk=static_length is None):
+                yield (PlainSteps(self, hidden) if static_length is None
+                       else CompiledSteps(self, static_length, mode))
             return
         with eval_mode(self):
             prompt = lazy == "decode"
             if self.backend != "adapters":
-                yield LazySteps(self, prefill_all=prompt)
+                yield LazySteps(self, prefill_all=prompt, hidden=hidden)
                 return
-            with lora_blocks(self.model, self.names, batch_size) as select:
-                yield LazySteps(self, select, prefill_all=prompt)
+            with lora_blocks(self.model, self.names, batch_size) as select, contextlib.ExitStack() as stack:
+                trunk = None
+                if paths.trunk_start:
+                    trunk = stack.enter_context(shared_trunk(self.base_model,
+                                                             TrunkState(paths.trunk_start, batch_size, record=[])))
+                yield LazySteps(self, select, prefill_all=prompt, hidden=hidden, trunk=trunk)
 
     def _special_tokens(
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None, device: torch.device
@@ -667,6 +871,19 @@ class ComposedLM(nn.Module):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _layer_span(start: int) -> str:
+    return "layer 0" if start == 1 else f"layers 0-{start - 1}"
+
+
+def _decoder_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                    cache: Cache | None, last_only: bool) -> Tensor:
+    """One forward of ``model``'s decoder: the final hidden states ``[rows, T', d]``."""
+    out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            cache=cache, use_cache=cache is not None)
+    hidden = out.last_hidden_state
+    return hidden[:, -1:] if last_only else hidden
 
 
 def _check_composition(composition: str) -> str:

@@ -23,31 +23,39 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticCache
 
 from compose.grouped_lora import row_blocks
+from compose.heads import decoder_of
 from compose.modules import accepts
+from compose.trunk import TrunkState, rewound
 
 if TYPE_CHECKING:
     from compose.composed_lm import ComposedLM
 
 
 class PlainSteps:
-    """Decoding steps that run every component (the ``(k+1)·B`` batch, or every model) on every new token."""
+    """Decoding steps that run every component (the ``(k+1)·B`` batch, or every model) on every new token.
 
-    def __init__(self, lm: ComposedLM) -> None:
-        self.lm, self.caches, self.held = lm, lm.new_caches(), 0
+    With ``hidden`` a step returns the components' final hidden states instead of their logits (the one-head path:
+    the composed model runs its shared head once on their mixture)."""
+
+    def __init__(self, lm: ComposedLM, hidden: bool = False) -> None:
+        self.lm, self.caches, self.held, self.hidden = lm, lm.new_caches(), 0, hidden
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
                  active: list[int] | None) -> Tensor:
-        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``; ``active`` is ignored."""
+        """Logits ``[k+1, B, V]`` (float32) of the next token after ``input_ids``, or with :attr:`hidden` final
+        hidden states ``[k+1, B, d]``; ``active`` is ignored."""
         new = slice(self.held, input_ids.shape[1])
         self.held = input_ids.shape[1]
-        logits = self.lm.component_logits(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)
-        return logits[:, :, -1]
+        step = self.lm.component_hidden if self.hidden else self.lm.component_logits
+        return step(input_ids[:, new], attention_mask, positions[:, new], self.caches, True)[:, :, -1]
 
 
 class CompiledSteps:
     """:class:`PlainSteps` on static KV caches: the prompt's forward eager, every later step through the components'
     compiled forwards. The attention mask is padded to the cache length (with ones: causal masking already hides
     the positions not yet written), so every step has the same shapes and reuses one compiled graph."""
+
+    hidden = False  # logits, every component's head
 
     def __init__(self, lm: ComposedLM, length: int, mode: str | None) -> None:
         modules = lm.step_modules()
@@ -129,11 +137,16 @@ class LazySteps:
     set changes, the merged cache is split into per-component caches, the joining experts catch up (inside the
     step's forward when they missed at most :data:`FUSED_CATCH_UP_TOKENS`, else by a prefill of their own first),
     and the new set's caches are merged again (copies only at interval boundaries).
+
+    With a shared trunk (``trunk``, :mod:`compose.trunk`) the cache's trunk layers are the background's alone, and
+    a joining expert catches up only its top layers, on the trunk outputs the background's forwards kept
+    (``trunk.record``). With ``hidden`` a step returns final hidden states instead of logits (the one-head path).
     """
 
     def __init__(self, lm: ComposedLM, select: Callable[[tuple[int, ...]], None] | None = None,
-                 prefill_all: bool = False) -> None:
-        self.lm, self.select, self.prefill_all = lm, select, prefill_all
+                 prefill_all: bool = False, hidden: bool = False, trunk: TrunkState | None = None) -> None:
+        self.lm, self.select, self.prefill_all, self.hidden, self.trunk = lm, select, prefill_all, hidden, trunk
+        self.shared = 0 if trunk is None else trunk.start  # cache layers held by the background alone
         n = lm.num_experts + 1
         self.held = [0] * n
         if lm.backend == "adapters":
@@ -146,20 +159,22 @@ class LazySteps:
             self.caches = [DynamicCache(config=m.config) for m in self.models]
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, active: list[int]) -> Tensor:
-        """Logits ``[1 + len(active), B, V]`` (float32): the background's, then the active experts' in order.
+        """Logits ``[1 + len(active), B, V]`` (float32), or final hidden states ``[1 + len(active), B, d]``: the
+        background's, then the active experts' in order.
 
         With ``prefill_all``, the prompt's forward (the first call) runs every expert; only the active ones'
-        logits are returned."""
+        outputs are returned."""
         components = (0, *(i + 1 for i in active))
         if self.prefill_all and self.held[0] == 0 and len(components) < len(self.held):
-            logits = self(input_ids, attention_mask, positions, list(range(len(self.held) - 1)))
-            return logits[list(components)]
+            out = self(input_ids, attention_mask, positions, list(range(len(self.held) - 1)))
+            return out[list(components)]
         if self.lm.backend == "adapters":
             return self._blocks_step(components, input_ids, attention_mask, positions)
         out = []
         for c in components:
             new = slice(self.held[c], input_ids.shape[1])
-            out.append(_last_logits(self.models[c], input_ids[:, new], attention_mask, positions[:, new], self.caches[c]))
+            out.append(_last_output(self.models[c], input_ids[:, new], attention_mask, positions[:, new],
+                                    self.caches[c], self.hidden))
             self.held[c] = input_ids.shape[1]
         return torch.stack(out)
 
@@ -171,10 +186,10 @@ class LazySteps:
         n, batch = len(components), input_ids.shape[0]
         self.select(components)
         rows = tuple(row_blocks(t, n) for t in (input_ids[:, new], attention_mask, positions[:, new]))
-        logits = _last_logits(self.lm.base_model, *rows, self.group_cache)
+        out = _last_output(self.lm.base_model, *rows, self.group_cache, self.hidden)
         for c in components:
             self.held[c] = input_ids.shape[1]
-        return logits.view(n, batch, -1)
+        return out.view(n, batch, -1)
 
     def _regroup(self, components: tuple[int, ...], input_ids: Tensor, attention_mask: Tensor,
                  positions: Tensor) -> None:
@@ -184,17 +199,19 @@ class LazySteps:
         member of the new group is rolled back to the shortest member's length (the caches ahead are cropped), so
         the step's one forward runs them all over the missed tokens and the new one. The members ahead recompute
         a few tokens, which costs less than a forward of its own where a step is mostly per-op overhead. Longer
-        catch-ups, and caches that cannot be cropped (sliding-window layers), run a prefill of their own first.
+        catch-ups, caches that cannot be cropped (sliding-window layers), and every catch-up over a shared trunk
+        (which runs only the expert's top layers) run a prefill of their own first.
         """
         if self.group:
-            parts = _split_cache(self.group_cache, len(self.group))
+            parts = _split_cache(self.group_cache, len(self.group), self.shared)
             for c, part in zip(self.group, parts, strict=True):
-                self.parked[c] = part if c in components else _cloned_cache(part)
+                self.parked[c] = part if c in components else _cloned_cache(part, self.shared)
         length = self.held[0]
         caches = {c: self.parked.pop(c, None) for c in components}
         caches = {c: DynamicCache(config=self.config) if cache is None else cache for c, cache in caches.items()}
         start = min(self.held[c] for c in components)
-        if 0 < length - start <= FUSED_CATCH_UP_TOKENS and all(map(_croppable, caches.values())):
+        if (not self.shared and 0 < length - start <= FUSED_CATCH_UP_TOKENS
+                and all(map(_croppable, caches.values()))):
             for c in components:
                 if start == 0:  # an expert that has not run yet (lazy=True): every member starts from the prompt
                     caches[c] = DynamicCache(config=self.config)
@@ -204,12 +221,33 @@ class LazySteps:
         else:
             for c in components:
                 if self.held[c] < length:  # one prefill of the tokens it missed (never the background)
-                    missed = slice(self.held[c], length)
-                    self.select((c,))
-                    _last_logits(self.lm.base_model, input_ids[:, missed], attention_mask[:, :length],
-                                 positions[:, missed], caches[c])
-                    self.held[c] = length
-        self.group, self.group_cache = components, _merge_caches([caches[c] for c in components])
+                    self._catch_up(c, caches[c], caches[0], input_ids, attention_mask, positions, length)
+        self.group, self.group_cache = components, _merge_caches([caches[c] for c in components], self.shared)
+
+    def _catch_up(self, c: int, cache: DynamicCache, background: DynamicCache, input_ids: Tensor,
+                  attention_mask: Tensor, positions: Tensor, length: int) -> None:
+        """Expert ``c``'s cache brought to ``length`` tokens by a forward of the tokens it missed (its decoder only:
+        the logits are not needed); over a shared trunk, its top layers only, on the kept trunk outputs."""
+        missed = slice(self.held[c], length)
+        self.select((c,))
+        model = decoder_of(self.lm.base_model) or self.lm.base_model
+        kwargs = dict(input_ids=input_ids[:, missed], attention_mask=attention_mask[:, :length],
+                      position_ids=positions[:, missed], use_cache=True)
+        if not self.shared:
+            model(cache=cache, **kwargs)
+        else:
+            record = self.trunk.record
+            if len(record) > 1:
+                record[:] = [torch.cat(record, dim=1)]
+            view = copy.copy(cache)  # the background's trunk layers, as long as this expert's top layers
+            view.layers = [rewound(layer, self.held[c]) for layer in background.layers[: self.shared]]
+            view.layers += cache.layers[self.shared:]
+            self.trunk.replay = record[0][:, missed]
+            try:
+                model(cache=view, **kwargs)
+            finally:
+                self.trunk.replay = None
+        self.held[c] = length
 
 
 def _croppable(cache: DynamicCache) -> bool:
@@ -217,23 +255,28 @@ def _croppable(cache: DynamicCache) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _last_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                 cache: DynamicCache) -> Tensor:
-    """One cached forward of ``model``; float32 logits of the last position ``[rows, V]``."""
+def _last_output(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                 cache: DynamicCache, hidden: bool = False) -> Tensor:
+    """One cached forward of ``model``: float32 logits of the last position ``[rows, V]``, or with ``hidden`` its
+    decoder's final hidden state there ``[rows, d]``."""
+    if hidden:
+        out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=cache, use_cache=True)
+        return out.last_hidden_state[:, -1]
     kwargs: dict[str, Any] = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                 use_cache=True, **kwargs)
     return out.logits[:, -1].float()
 
 
-def _split_cache(cache: DynamicCache, parts: int) -> list[DynamicCache]:
+def _split_cache(cache: DynamicCache, parts: int, shared: int = 0) -> list[DynamicCache]:
     """``parts`` caches holding equal consecutive row blocks of ``cache`` (views; layer state such as a sliding
-    window's token count is kept)."""
+    window's token count is kept); its first ``shared`` layers (a shared trunk's) are in every part whole."""
     out = []
     for i in range(parts):
         part = copy.copy(cache)
-        part.layers = []
-        for layer in cache.layers:
+        part.layers = list(cache.layers[:shared])
+        for layer in cache.layers[shared:]:
             piece = copy.copy(layer)
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 piece.keys, piece.values = layer.keys.chunk(parts)[i], layer.values.chunk(parts)[i]
@@ -242,21 +285,23 @@ def _split_cache(cache: DynamicCache, parts: int) -> list[DynamicCache]:
     return out
 
 
-def _cloned_cache(cache: DynamicCache) -> DynamicCache:
-    """``cache`` with storage of its own (a parked block no longer keeps the whole merged cache alive)."""
-    for layer in cache.layers:
+def _cloned_cache(cache: DynamicCache, shared: int = 0) -> DynamicCache:
+    """``cache`` with storage of its own (a parked block no longer keeps the whole merged cache alive); its first
+    ``shared`` layers (a shared trunk's, the background's) stay as they are."""
+    for layer in cache.layers[shared:]:
         if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
     return cache
 
 
-def _merge_caches(caches: list[DynamicCache]) -> DynamicCache:
-    """One cache whose rows are the given caches' rows, block after block (all hold the same number of tokens)."""
+def _merge_caches(caches: list[DynamicCache], shared: int = 0) -> DynamicCache:
+    """One cache whose rows are the given caches' rows, block after block (all hold the same number of tokens);
+    its first ``shared`` layers are the first cache's (a shared trunk's: the background's)."""
     if len(caches) == 1:
         return caches[0]
     merged = copy.copy(caches[0])
-    merged.layers = []
-    for layers in zip(*(c.layers for c in caches), strict=True):
+    merged.layers = list(caches[0].layers[:shared])
+    for layers in zip(*(c.layers[shared:] for c in caches), strict=True):
         layer = copy.copy(layers[0])
         if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
             layer.keys = torch.cat([x.keys for x in layers])

@@ -1,11 +1,15 @@
-"""Running a causal LM's output head apart from its trunk, so logits can be made a block of positions at a time."""
+"""Running a causal LM's output head apart from its trunk: logits a block of positions at a time, and one head call on
+the mixed hidden states of a composition (:class:`OneHead`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from compose.modules import eval_mode
 
 
 def hidden_and_head(
@@ -46,3 +50,92 @@ def hidden_and_head(
     if not torch.allclose(head(captured[0][:, -1:]).float(), out.logits.float(), rtol=1e-5, atol=1e-5):
         return None
     return head, captured[0]
+
+
+def decoder_of(model: nn.Module) -> nn.Module | None:
+    """The trunk of a Hugging Face causal LM (``model.get_decoder()``): it returns the final, normalized hidden
+    states that the output head takes."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+class OneHead:
+    """The output head every component shares, run once on the mixed hidden states (the one-head identity).
+
+    With one linear head ``z = W h + b`` for every component, ``lp_b + Σ w_i (lp_i − lp_b)`` is
+    ``W h̄ + b`` minus a constant per position, where ``h̄ = h_b + Σ w_i m_i (h_i − h_b)`` (an affine combination,
+    so a shared bias stays ``b``): ``compose_logprobs`` of the components' logits equals ``log_softmax(W h̄ + b)``
+    as long as no log-prob reaches the floor ``min_logprob``. :meth:`floor_free` bounds that from the hidden
+    states: ``max z − min z ≤ 2·max_v‖W_v‖·‖h‖ + (max b − min b)``, and ``lp ≥ −(max z − min z) − log V``.
+    """
+
+    def __init__(self, head: nn.Linear) -> None:
+        self.head = head
+        weight = head.weight.detach()
+        self.row_norm = float(weight.float().norm(dim=-1).max())
+        bias = head.bias
+        self.bias_range = 0.0 if bias is None else float(bias.detach().max() - bias.detach().min())
+        self.log_vocab = math.log(weight.shape[0])
+
+    def floor_free(self, hidden: Tensor, min_logprob: float) -> bool:
+        """No component's log-prob can reach ``min_logprob`` at any row of ``hidden [..., d]``."""
+        norm = float(hidden.float().norm(dim=-1).max()) if hidden.numel() else 0.0
+        return 2 * self.row_norm * norm + self.bias_range + self.log_vocab < -min_logprob
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        """Float32 logits of ``hidden [..., d]``."""
+        return self.head(hidden.to(self.head.weight.dtype)).float()
+
+
+def mix_hidden(hidden: Tensor, weights: Sequence[float], masks: Tensor | None = None) -> Tensor:
+    """``h̄ = h_b + Σ_i w_i m_i (h_i − h_b)`` in float32 from ``hidden [1+k, ..., d]`` (background first), ``masks``
+    bool ``[k, ...]`` (where False that expert's factor is 1)."""
+    h = hidden.float()
+    k = h.shape[0] - 1
+    if k == 0:
+        return h[0]
+    w = torch.as_tensor(list(weights), dtype=torch.float32, device=h.device).view(k, *([1] * (h.dim() - 1)))
+    if masks is not None:
+        w = w * masks.to(h.device, torch.float32).unsqueeze(-1)
+    return h[0] + (w * (h[1:] - h[0])).sum(0)
+
+
+def one_head_check(models: Sequence[tuple[str, nn.Module]]) -> tuple[OneHead | None, str]:
+    """``(OneHead, why)`` when every model's logits are one plain linear head (the same weights for all) applied to
+    its decoder's output, else ``(None, why not)`` in words. Runs one two-token forward per model."""
+    first = None
+    for label, model in models:
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        decoder = decoder_of(model)
+        if head is None or decoder is None:
+            return None, f"the {label} has no output head apart from its decoder"
+        if type(head) is not nn.Linear:
+            return None, f"the {label}'s output head is a {type(head).__name__}, not a plain linear layer"
+        if getattr(getattr(model, "config", None), "final_logit_softcapping", None):
+            return None, f"the {label} soft-caps its final logits (final_logit_softcapping)"
+        if first is None:
+            first = head
+        elif head is not first and not (_same(head.weight, first.weight) and _same(head.bias, first.bias)):
+            return None, f"the {label} has output head weights of its own"
+        if not _head_reproduces(model, decoder, head):
+            return None, f"the {label}'s logits are not its output head applied to its decoder's output"
+    if first is None:
+        return None, "no model"
+    return OneHead(first), "every component shares one output head"
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and (a.data_ptr() == b.data_ptr() or torch.equal(a.detach(), b.detach()))
+
+
+@torch.no_grad()
+def _head_reproduces(model: nn.Module, decoder: nn.Module, head: nn.Linear) -> bool:
+    """The model's logits of a two-token input equal ``head(decoder(...))`` (catches a logit scale or cap)."""
+    ids = torch.tensor([[0, 1]], device=head.weight.device)
+    with eval_mode(model):
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    return torch.allclose(head(hidden).float(), logits, rtol=1e-4, atol=1e-4)

@@ -226,14 +226,17 @@ def test_sampling_seeded_and_top_k_one_is_greedy():
     assert not torch.equal(runs[0], greedy)
 
 
-def test_prefix_is_prefilled_once_then_one_token_per_step():
+@pytest.mark.parametrize("one_head", [True, False])
+def test_prefix_is_prefilled_once_then_one_token_per_step(one_head):
     ids, mask = left_padded_batch()
     peft_model = tiny_peft("llama")
+    composed = ComposedLM.from_peft(peft_model, ["a", "b"], one_head=one_head)
+    assert composed.paths.one_head is one_head  # checked once, before decoding
     lengths = []
-    peft_model.get_base_model().register_forward_pre_hook(
+    peft_model.get_base_model().get_decoder().register_forward_pre_hook(
         lambda mod, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    ComposedLM.from_peft(peft_model, ["a", "b"]).generate(ids, mask, max_new_tokens=6, eos_token_id=[])
+    composed.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
     assert lengths == [(9, 7)] + [(9, 1)] * 5  # one (k+1)·B forward per step, never the prefix again
 
 
@@ -379,7 +382,8 @@ def test_stacked_lora_pads_ranks_and_absent_experts_with_zeros_and_shares_storag
 @pytest.mark.parametrize("backend", ["adapters", "separate"])
 def test_chunked_score_equals_unchunked_and_holds_one_block_of_logits(monkeypatch, backend):
     """``score`` runs the heads, log-softmax and composition over blocks of positions: the same result for every
-    block size, and no logits tensor ever spans more than ``chunk_size`` positions."""
+    block size, and no logits tensor ever spans more than ``chunk_size`` positions (a head per component; the
+    one-head path's blocks are tested in test_one_head)."""
     import compose.composed_lm as clm
 
     g = torch.Generator().manual_seed(5)
@@ -387,11 +391,11 @@ def test_chunked_score_equals_unchunked_and_holds_one_block_of_logits(monkeypatc
     masks = torch.rand(2, 2, 11, generator=g) > 0.3
     peft_model = tiny_peft("llama")
     if backend == "adapters":
-        composed = ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0, 0.6])
+        composed = ComposedLM.from_peft(peft_model, ["a", "b"], weights=[1.0, 0.6], one_head=False)
         head = peft_model.get_base_model().get_output_embeddings()
     else:
         experts = [merged_copy(peft_model, "a"), merged_copy(peft_model, "b")]
-        composed = ComposedLM(plain_copy(peft_model), experts, weights=[1.0, 0.6])
+        composed = ComposedLM(plain_copy(peft_model), experts, weights=[1.0, 0.6], one_head=False)
         head = composed.background.get_output_embeddings()
     with torch.no_grad():  # the unchunked reference: every component's full logits at once
         bg, ex = composed.component_logprobs(ids)
