@@ -1,4 +1,7 @@
-"""A character-level tokenizer for the synthetic tasks, as a real Hugging Face fast tokenizer.
+"""Tokenizers: a character-level one for the synthetic tasks, and loading a user's tokenizer folder.
+
+`load_tokenizer_folder(path, where=...)` is how a tokenizer named by a user (a config key) is loaded: a folder
+that is missing, empty, unreadable or holds no tokenizer files is one line naming it, before transformers sees it.
 
 One token per character. The vocabulary is the five special tokens, then the alphabet in order::
 
@@ -12,10 +15,15 @@ vocabulary and behaviour.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from data.rows import one_line, quiet_loggers
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, SEP_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<sep>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, SEP_TOKEN, UNK_TOKEN)
@@ -86,3 +94,68 @@ def letter_ids(tokenizer: PreTrainedTokenizerBase, alphabet: str | Sequence[str]
             raise ValueError(f"letter {ch!r} is not in the tokenizer's vocabulary (size {len(vocab)})")
         ids.append(vocab[ch])
     return ids
+
+
+# --- a user's tokenizer folder ---------------------------------------------------------------------
+# Files any of which makes a folder a tokenizer folder (fast, SentencePiece, BPE, WordPiece tokenizers).
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                                    "sentencepiece.bpe.model", "vocab.json", "vocab.txt")
+# A hub repository id (`name` or `owner/name`), tried on the hub (or its local cache) when no such folder exists.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class TokenizerFolderError(ValueError):
+    """A tokenizer folder that cannot be loaded: one line naming it (and the config key that gave it)."""
+
+
+def load_tokenizer_folder(path: str | os.PathLike, where: str = "tokenizer",
+                          trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the folder `path` (`AutoTokenizer.from_pretrained`), or of the hub repository `path`
+    where no such folder exists and the name is a repository id.
+
+    Args:
+        path: a tokenizer folder, or a hub repository id.
+        where: what named it, first in every error (a config key such as `task.tokenizer`).
+        trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
+
+    Raises:
+        TokenizerFolderError: one line: `tokenizer folder not found: X`, `tokenizer folder X is empty`,
+            `X is not a tokenizer folder (...)`, `X is a file, not a tokenizer folder`, or the loader's own error.
+    """
+    from transformers import AutoTokenizer
+
+    prefix = f"{where}: " if where else ""
+    folder = Path(path)
+    if not os.path.lexists(folder):
+        if not _HUB_ID.fullmatch(str(path)):
+            raise TokenizerFolderError(f"{prefix}tokenizer folder not found: {path}")
+        try:
+            with quiet_loggers("huggingface_hub"):  # no retry lines when offline
+                return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except Exception as err:  # noqa: BLE001 - any loader error becomes one line naming it
+            raise TokenizerFolderError(f"{prefix}tokenizer folder not found: {path} (nor a hub tokenizer of that "
+                                       f"name: {one_line(err, 200)})") from None
+    try:
+        names = sorted(entry.name for entry in folder.iterdir())
+    except NotADirectoryError:
+        raise TokenizerFolderError(f"{prefix}{path} is a file, not a tokenizer folder") from None
+    except PermissionError:
+        raise TokenizerFolderError(f"{prefix}tokenizer folder {path} cannot be read by this user "
+                                   "(permission denied)") from None
+    except OSError as err:  # a symbolic link loop or a dangling link
+        raise TokenizerFolderError(f"{prefix}tokenizer folder not found: {path} ({err.strerror})") from None
+    if not names:
+        raise TokenizerFolderError(f"{prefix}tokenizer folder {path} is empty")
+    if not set(names) & set(TOKENIZER_FILES):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise TokenizerFolderError(f"{prefix}{path} is not a tokenizer folder (no {' / '.join(TOKENIZER_FILES[:3])}"
+                                   f" / ... in it; it holds {shown})")
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any loader error becomes one line naming the folder
+        vocabularies = [name for name in TOKENIZER_FILES if name != "tokenizer_config.json"]
+        if not set(names) & set(vocabularies):
+            raise TokenizerFolderError(f"{prefix}tokenizer folder {path} has a tokenizer_config.json but no vocabulary "
+                                       f"the tokenizer can load ({', '.join(vocabularies)})") from None
+        raise TokenizerFolderError(f"{prefix}tokenizer folder {path}: cannot load the tokenizer in it: "
+                                   f"{one_line(err, 200)}") from None

@@ -1,18 +1,25 @@
-"""Every bad input is one named error before anything is written (issue 12, "Every bad input a named error").
+"""Every bad input is one named error before anything is written.
 
 Each case of `CASES` is refused by `load_config` + `stages.plan_run` (what `train.py` runs before writing) with a
 one-line `ConfigError` naming the key and what it allows, and leaves the folder it names and everything around
-it untouched. A few go through `train.py` itself: exit code 2, one `error: ...` line on stderr, no traceback.
+it untouched. `TEXT_CASES` do the same for the text task's data files and tokenizer folders (the file and its
+1-based line or row, and nothing else printed). A few go through `train.py` itself: exit code 2, one
+`error: ...` line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
+import codecs
+import csv
 import hashlib
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -167,14 +174,15 @@ def compose_with(export: Path, background: Path) -> list[str]:
             "experts=[{name: E_to_F, rules: {E: F}}]"]
 
 
-def assert_refused(tmp_path: Path, overrides: list[str], files: list[str], fragments: list[str]) -> str:
+def assert_refused(tmp_path: Path, overrides: list[str], files: list[str], fragments: list[str],
+                   config: Path = FAST) -> str:
     """`load_config` + `plan_run` raise one line holding every fragment; nothing under tmp_path changes."""
     from lightning_modules.pipeline.stages import plan_run
 
     out = tmp_path / "run"
     before = tree(tmp_path)
     with pytest.raises(ConfigError) as info:
-        plan_run(load_config([str(FAST), *files], [f"output_dir={out}", *overrides], base=DEFAULT))
+        plan_run(load_config([str(config), *files], [f"output_dir={out}", *overrides], base=DEFAULT))
     message = str(info.value)
     assert "\n" not in message and message.strip() == message
     for fragment in fragments:
@@ -221,6 +229,173 @@ def test_an_intact_export_plans_and_a_weight_override_works(tmp_path, export):
     assert (plan.trained, plan.frozen) == (["E_to_F"], ["A_to_B", "C_to_D"])
     assert plan.weights == {"E_to_F": 2.0, "A_to_B": 1.0, "C_to_D": 1.0}
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ the text task's files and tokenizer
+TEXT = ROOT / "configs" / "experiment" / "text_fast.yaml"
+TEXT_FIXTURE = ROOT / "tests" / "fixtures" / "text"
+CALC_LINES = (TEXT_FIXTURE / "calc.jsonl").read_text().splitlines(keepends=True)
+TWO_ROWS = "".join(CALC_LINES[:2])  # the bad line below is line 3
+# Where a path goes in the text config (`configs/experiment/text_fast.yaml`).
+TEXT_KEYS = {"data": "experts.0.data=[{}]", "general": "task.general=[{}]",
+             "compositional": "task.compositional=[{}]", "tokenizer": "task.tokenizer={}"}
+
+
+def file_of(content: str | bytes) -> Callable[[Path], None]:
+    data = content.encode() if isinstance(content, str) else content
+    return lambda path: path.write_bytes(data)
+
+
+def folder_of(**files: str) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        path.mkdir()
+        for name, text in files.items():
+            (path / name).write_text(text)
+    return make
+
+
+def parquet_of(**columns: list) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(columns), path)
+    return make
+
+
+def link_to(target: str) -> Callable[[Path], None]:
+    return lambda path: path.symlink_to(target)
+
+
+TOKENIZER_CONFIG = (TEXT_FIXTURE / "tokenizer" / "tokenizer_config.json").read_text()
+# (id, key, file name under tmp_path, how it is made (None: not at all), fragments of the message)
+TEXT_CASES: list[tuple[str, str, str, Callable[[Path], None] | None, list[str]]] = [
+    # encodings
+    ("latin-1 line", "data", "calc.jsonl",
+     file_of(TWO_ROWS.encode() + '{"prompt": "Qué?\\n", "response": "<<1+1=2>>2"}\n'.encode("latin-1")),
+     ["calc.jsonl line 3: not UTF-8 text (byte 0xe9 at byte 15 of the line)", "save the file as UTF-8"]),
+    ("utf-16", "general", "general.jsonl", file_of(TWO_ROWS.encode("utf-16")),
+     ["general.jsonl: not UTF-8 text", "UTF-16 byte-order mark"]),
+    ("latin-1 csv", "compositional", "comp.csv", file_of(b"prompt,response\r\nQ,A\r\nQ\xe9,A\r\n"),
+     ["comp.csv line 3: not UTF-8 text (byte 0xe9 at byte 2 of the line)"]),
+    # malformed JSON Lines / JSON / CSV / Parquet
+    ("jsonl line malformed", "data", "calc.jsonl", file_of(TWO_ROWS + '{"prompt": "Q\\n", "response": }\n'),
+     ["calc.jsonl line 3: not valid JSON: Expecting value (column 31)"]),
+    ("jsonl line after crlf", "data", "calc.jsonl", file_of(TWO_ROWS.replace("\n", "\r\n") + "{oops\r\n"),
+     ["calc.jsonl line 3: not valid JSON: Expecting property name"]),
+    ("jsonl line not an object", "data", "calc.jsonl", file_of(TWO_ROWS + '["Q", "A"]\n'),
+     ["calc.jsonl line 3: a row must be a JSON object", "got a list"]),
+    ("json array malformed", "general", "general.json",
+     file_of('[\n {"prompt": "Q", "response": "A"},\n {"prompt": "Q" "response": "A"}\n]\n'),
+     ["general.json line 3: not valid JSON: Expecting ',' delimiter"]),
+    ("json not rows", "general", "general.json", file_of('"just a string"'),
+     ["general.json: a JSON data file holds a list of row objects", "got a string"]),
+    ("json array item", "general", "general.json", file_of('[{"prompt": "Q", "response": "A"}, 7]'),
+     ["general.json row 2: a row must be a JSON object", "got a number"]),
+    ("csv too many fields", "data", "calc.csv", file_of("prompt,response\nQ,A\nQ,A,B\n"),
+     ["calc.csv line 3: 3 field(s), the header has 2"]),
+    ("csv bad quote", "data", "calc.csv", file_of('prompt,response\nQ,A\n"Q"x,A\n'),
+     ["calc.csv line 3: not valid CSV"]),
+    ("not parquet", "compositional", "comp.parquet", file_of(b"PAR1 this is no parquet file"),
+     ["comp.parquet: not a readable Parquet file", "magic bytes"]),
+    # missing or non-text fields
+    ("row lacks response", "data", "calc.jsonl", file_of(TWO_ROWS + '{"prompt": "Q\\n"}\n'),
+     ["calc.jsonl line 3: the row lacks the field(s) ['response']"]),
+    ("field is a number", "data", "calc.jsonl", file_of(TWO_ROWS + '{"prompt": 7, "response": "A"}\n'),
+     ["calc.jsonl line 3: field 'prompt' is not text: 7"]),
+    ("field is null", "general", "general.jsonl", file_of(TWO_ROWS + '{"prompt": "Q", "response": null}\n'),
+     ["general.jsonl line 3: field 'response' is not text: None"]),
+    ("parquet field not text", "data", "calc.parquet", parquet_of(prompt=["Q", "Q"], response=["A", None]),
+     ["calc.parquet row 2: field 'response' is not text: None"]),
+    ("csv lacks the fields", "data", "calc.csv", file_of("question,answer\nQ,A\n"),
+     ["calc.csv: rows lack the field(s) ['prompt', 'response']", "['question', 'answer']"]),
+    ("only blank lines", "data", "calc.jsonl", file_of("\n\r\n   \n"), ["calc.jsonl: data file is empty (no rows)"]),
+    # not a readable file
+    ("data file is a folder", "data", "calc.jsonl", folder_of(), ["calc.jsonl: is a folder, not a data file"]),
+    ("folder of data files", "general", "rows", folder_of(**{"a.jsonl": TWO_ROWS}), ["rows: is a folder, not a data file"]),
+    ("symlink loop", "data", "calc.jsonl", link_to("calc.jsonl"), ["calc.jsonl: symbolic link loop"]),
+    ("dangling symlink", "data", "calc.jsonl", link_to("gone.jsonl"),
+     ["calc.jsonl: data file not found (a symbolic link to gone.jsonl"]),
+    # tokenizer folders
+    ("tokenizer folder missing", "tokenizer", "tok", None, ["task.tokenizer: tokenizer folder not found: ", "/tok"]),
+    ("tokenizer folder empty", "tokenizer", "tok", folder_of(), ["task.tokenizer: tokenizer folder ", "/tok is empty"]),
+    ("not a tokenizer folder", "tokenizer", "tok", folder_of(**{"calc.jsonl": TWO_ROWS}),
+     ["/tok is not a tokenizer folder (no tokenizer.json / tokenizer_config.json", "it holds calc.jsonl"]),
+    ("tokenizer is a file", "tokenizer", "tok", file_of("{}"), ["/tok is a file, not a tokenizer folder"]),
+    ("tokenizer config only", "tokenizer", "tok", folder_of(**{"tokenizer_config.json": TOKENIZER_CONFIG}),
+     ["/tok has a tokenizer_config.json but no vocabulary the tokenizer can load (tokenizer.json"]),
+    ("tokenizer.json broken", "tokenizer", "tok",
+     folder_of(**{"tokenizer.json": "{", "tokenizer_config.json": TOKENIZER_CONFIG}),
+     ["task.tokenizer: tokenizer folder ", "/tok: cannot load the tokenizer in it: "]),
+]
+
+
+def assert_text_refused(tmp_path: Path, capfd, key: str, path: Path, fragments: list[str]) -> str:
+    """The text config with `path` at `key` is refused in one line naming `path`, nothing is written, and
+    nothing else is printed (no library's own log line)."""
+    capfd.readouterr()
+    message = assert_refused(tmp_path, [TEXT_KEYS[key].format(path)], [], fragments, config=TEXT)
+    assert message.startswith("task.tokenizer: " if key == "tokenizer" else str(path)) and str(path) in message
+    assert capfd.readouterr() == ("", "")
+    return message
+
+
+@pytest.mark.parametrize("key,name,make,fragments", [c[1:] for c in TEXT_CASES], ids=[c[0] for c in TEXT_CASES])
+def test_a_bad_text_file_or_tokenizer_folder_is_one_line_naming_it(tmp_path, capfd, key, name, make, fragments):
+    path = tmp_path / name
+    if make is not None:
+        make(path)
+    assert_text_refused(tmp_path, capfd, key, path, fragments)
+
+
+def test_a_data_file_this_user_cannot_read_is_refused(capfd):
+    base = Path(tempfile.mkdtemp(prefix="ce-unreadable-"))
+    try:
+        base.chmod(0o777)  # `nobody` could create the run folder here (it must not)
+        path = base / "calc.jsonl"
+        path.write_text(TWO_ROWS)
+        path.chmod(0o000)
+        plan_text_run(base / "run")  # every module the check imports, imported while the interpreter's files are readable
+        capfd.readouterr()
+        with unprivileged():
+            with pytest.raises(PermissionError):  # the check says what the kernel would do
+                path.read_bytes()
+            with pytest.raises(ConfigError) as info:
+                plan_text_run(base / "run", f"experts.0.data=[{path}]")
+        assert str(info.value) == f"{path}: cannot be read by this user (permission denied)"
+        assert capfd.readouterr() == ("", "")
+        assert [p.name for p in base.iterdir()] == ["calc.jsonl"]
+    finally:
+        shutil.rmtree(base)
+
+
+def plan_text_run(out: Path, *overrides: str):
+    from lightning_modules.pipeline.stages import plan_run
+
+    return plan_run(load_config([str(TEXT)], [f"output_dir={out}", *overrides], base=DEFAULT))
+
+
+def test_a_utf8_bom_and_mixed_line_ends_load_as_the_plain_files_do(tmp_path):
+    """The fixture's rows with a byte-order mark and `\\r\\n`/`\\n`/`\\r` line ends (JSON Lines, and the general rows
+    as CSV) give the same task rows as the fixture itself."""
+    ends = ["\r\n", "\n", "\r"]
+    calc = (TEXT_FIXTURE / "calc.jsonl").read_text().splitlines()
+    (tmp_path / "calc.jsonl").write_bytes(codecs.BOM_UTF8 + "".join(
+        line + ends[i % 3] for i, line in enumerate(calc)).encode())
+    table = io.StringIO()
+    writer = csv.writer(table, lineterminator="\r\n")
+    writer.writerow(["prompt", "response"])
+    general = [json.loads(line) for line in (TEXT_FIXTURE / "general.jsonl").read_text().splitlines()]
+    writer.writerows((row["prompt"], row["response"]) for row in general)
+    (tmp_path / "general.csv").write_bytes(codecs.BOM_UTF8 + table.getvalue().encode())
+
+    ours = plan_text_run(tmp_path / "run", f"experts.0.data=[{tmp_path / 'calc.jsonl'}]",
+                         f"task.general=[{tmp_path / 'general.csv'}]").task
+    reference = plan_text_run(tmp_path / "run").task
+    for split in ("train", "val", "test"):
+        assert ours.expert_dataset(split).to_list() == reference.expert_dataset(split).to_list(), split
+        assert ours.background_dataset(split).to_list() == reference.background_dataset(split).to_list(), split
+    assert len(ours.expert_dataset("train")) > 0 and not (tmp_path / "run").exists()
 
 
 @contextmanager
@@ -275,16 +450,21 @@ def train(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["batch_size", "flipped_byte"])  # ~15 s each: the table above runs in-process
-def test_train_py_exits_2_with_one_error_line_and_no_traceback(tmp_path, export, case):
+@pytest.mark.parametrize("case", ["batch_size", "flipped_byte", "latin-1 data file"])  # ~15 s each: the tables
+def test_train_py_exits_2_with_one_error_line_and_no_traceback(tmp_path, export, case):  # above run in-process
     out = tmp_path / "run"
+    config = FAST
     if case == "batch_size":
         args, fragments = ["data.batch_size=0"], ["data.batch_size=0", ">= 1"]
+    elif case == "latin-1 data file":
+        (tmp_path / "calc.jsonl").write_bytes(TWO_ROWS.encode() + '{"prompt": "Qué?\n", "response": "A"}\n'.encode("latin-1"))
+        config, args = TEXT, [f"experts.0.data=[{tmp_path / 'calc.jsonl'}]"]
+        fragments = [f"{tmp_path / 'calc.jsonl'} line 3: not UTF-8 text (byte 0xe9 at byte 15 of the line)"]
     else:
         args = compose_with(damaged_copy(export, tmp_path / "export", "flip"), export.parent / "background")
         fragments = ["composition.compose_with", "adapter_model.safetensors", "sha256 mismatch"]
     before = tree(tmp_path)
-    proc = train(str(FAST), f"output_dir={out}", *args)
+    proc = train(str(config), f"output_dir={out}", *args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

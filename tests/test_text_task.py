@@ -6,6 +6,9 @@ The tokenizer is a byte-level BPE trained here in-process; the models are tiny r
 
 from __future__ import annotations
 
+import codecs
+import csv
+import io
 import json
 import re
 from dataclasses import replace
@@ -20,7 +23,14 @@ from compose import ComposedLM
 from compose.intervals import IntervalSpec
 from data.generation import decode_until_eos, left_padded
 from data.tasks import Expert, TaskError, task_class
-from data.tasks.text import TextConfig, TextTask, exact_match, normalize_whitespace, skill_counts
+from data.tasks.text import (
+    TextConfig,
+    TextTask,
+    exact_match,
+    normalize_whitespace,
+    read_examples,
+    skill_counts,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "text"
 CALC = {"start": "<<", "end": ">>"}
@@ -233,6 +243,47 @@ def test_chat_template_false_reads_prompt_response(tok):
     assert len(t.expert_dataset("train")) == 64
 
 
+# --- file types, byte-order marks and line ends -----------------------------------------------------
+def test_every_file_type_bom_and_line_end_reads_the_same_examples(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in Path(fixture("calc.jsonl")).read_text().splitlines()]
+    reference = [(e.prompt, e.response) for e in read_examples(fixture("calc.jsonl"), config(), tok)]
+    assert len(reference) == 40 and all("\n" in prompt for prompt, _ in reference)
+    lines = [json.dumps(r) for r in rows]
+    ends = ["\r\n", "\n", "\r"]
+    table = io.StringIO()
+    csv.writer(table, lineterminator="\r\n").writerows([["prompt", "response"], *([r["prompt"], r["response"]]
+                                                                                   for r in rows)])
+    files = {
+        "bom_crlf.jsonl": codecs.BOM_UTF8 + "\r\n".join(lines).encode(),
+        "mixed.jsonl": "".join(line + ends[i % 3] for i, line in enumerate(lines)).encode(),
+        "array.json": codecs.BOM_UTF8 + json.dumps(rows, indent=2).replace("\n", "\r\n").encode(),
+        "lines.json": "\n".join(lines).encode(),
+        "bom_crlf.csv": codecs.BOM_UTF8 + table.getvalue().encode(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    for name in [*files, "rows.parquet"]:
+        examples = read_examples(str(tmp_path / name), config(), tok)
+        assert [(e.prompt, e.response) for e in examples] == reference, name
+        unit = "row" if name in ("array.json", "rows.parquet") else "line"  # JSON Lines in a .json file too
+        last = 80 if name.endswith(".csv") else 40  # a CSV record starts on line 2k: each prompt spans two lines
+        assert examples[-1].where == f"{tmp_path / name} {unit} {last}", name
+
+
+def test_rows_are_named_by_their_line_and_only_line_ends_split_them(tmp_path, tok):
+    odd = {"prompt": "Q\n", "response": "a\u2028b\x85c\x0cd"}  # separators that are no JSON Lines line end
+    path = write(tmp_path, "rows.jsonl", "")
+    Path(path).write_text(json.dumps(odd, ensure_ascii=False) + "\n\n  \n" + json.dumps(odd) + "\n",
+                          encoding="utf-8")
+    examples = read_examples(path, config(), tok)
+    assert [(e.response, e.where) for e in examples] == [(odd["response"], f"{path} line 1"),
+                                                         (odd["response"], f"{path} line 4")]
+
+
 # --- bad input -------------------------------------------------------------------------------------
 def write(tmp_path: Path, name: str, rows: list[dict] | str) -> str:
     path = tmp_path / name
@@ -264,7 +315,7 @@ def bad_cases(tmp_path: Path, tok) -> dict[str, tuple]:
                            r"\(they have \['question', 'answer'\]"),
         "unbalanced row": (with_calc(write(tmp_path, "unbalanced.jsonl",
                                            calc_rows([*GOOD_CALC[:2], "Half of 6 is <<6/2=3 now.", *GOOD_CALC[2:]]))),
-                           r"unbalanced\.jsonl row 3: response does not balance expert 'calc'"),
+                           r"unbalanced\.jsonl line 3: response does not balance expert 'calc'"),
         "start never occurs": (with_calc(write(tmp_path, "calc.jsonl", calc_rows(GOOD_CALC)),
                                          spec={"start": "{{", "end": "}}"}),
                                r"experts\[0\] \(calc\)\.interval\.start='\{\{' never occurs .*calc\.jsonl"),
@@ -282,15 +333,15 @@ def bad_cases(tmp_path: Path, tok) -> dict[str, tuple]:
                                         r"'messages'"),
         "no assistant message": (with_calc(write(tmp_path, "chat.jsonl",
                                                  [{"messages": [{"role": "user", "content": "hi"}]}])),
-                                 r"chat\.jsonl row 1: messages have no assistant message"),
+                                 r"chat\.jsonl line 1: messages have no assistant message"),
         "compositional row without interval": (
             lambda: make_task(tok, config(compositional=[comp])),
-            r"comp\.jsonl row 2: compositional row holds no interval of any expert \(calc, upper\)"),
+            r"comp\.jsonl line 2: compositional row holds no interval of any expert \(calc, upper\)"),
         "reg_data composition": (lambda: make_task(tok, reg_data="composition"), r"reg_data=composition"),
         "trained expert without data": (lambda: make_task(tok, exps=experts(upper_data=())),
                                         r"experts\[1\] \(upper\)\.data is empty"),
         "overlapping intervals": (lambda: make_task(tok, exps=experts(upper=CALC, upper_data=("calc.jsonl",))),
-                                  r"compositional\.jsonl row \d+: the intervals of experts 'calc' and 'upper' overlap"),
+                                  r"compositional\.jsonl line \d+: the intervals of experts 'calc' and 'upper' overlap"),
         "no general files": (lambda: make_task(tok, config(general=[])), r"task\.general is empty"),
         "one compositional row": (lambda: make_task(tok, config(compositional=[write(tmp_path, "one.jsonl", [
             {"prompt": "p\n", "response": "<<1+1=2>>2"}])])), r"task\.compositional has 1 row\(s\)"),
@@ -298,11 +349,11 @@ def bad_cases(tmp_path: Path, tok) -> dict[str, tuple]:
                               r"general: 40 rows cannot give task\.holdout=40"),
         "field not text": (with_calc(write(tmp_path, "null.jsonl", [*calc_rows(GOOD_CALC[:1]),
                                                                     {"prompt": None, "response": "x"}])),
-                           r"null\.jsonl row 2: field 'prompt' is not text"),
+                           r"null\.jsonl line 2: field 'prompt' is not text"),
         "unknown file type": (with_calc(write(tmp_path, "calc.txt", "hello")), r"calc\.txt: unknown data file type"),
         "general row unbalanced": (
             lambda: make_task(tok, config(general=[write(tmp_path, "gen.jsonl", [{"prompt": "p", "response": "a ] b"}])])),
-            r"gen\.jsonl row 1: response does not balance expert 'upper'"),
+            r"gen\.jsonl line 1: response does not balance expert 'upper'"),
     }
 
 

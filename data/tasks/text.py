@@ -26,18 +26,18 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from compose.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
 from data.generation import greedy_decode
+from data.rows import DataFileError, one_line, read_rows
 from data.splits import derive_seed
 from data.tasks import register_task
 from data.tasks.base import (
@@ -50,10 +50,10 @@ from data.tasks.base import (
     TaskError,
     check_split,
 )
+from data.tokenizer import TokenizerFolderError, load_tokenizer_folder
 from losses import IGNORE_INDEX
 
 TEACHER_FORCED_BATCH = 8  # rows per teacher-forced forward (k+1 components x [B, T, V] log-probs)
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass
@@ -81,7 +81,7 @@ class TextConfig:
         max_new_tokens: greedy decoding budget at evaluation; a prediction that has not emitted EOS by then
             counts as wrong.
         limit: at most this many rows per split of each source (each expert, general, compositional).
-        trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
+        trust_remote_code: passed to `AutoTokenizer.from_pretrained` (`data.tokenizer.load_tokenizer_folder`).
         cross_eval: also decode the background and each expert alone on the compositional rows of the split
             (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
             and the background on every expert's held-out rows (`<expert>/skill_accuracy`): every model's
@@ -141,40 +141,14 @@ class Encoded:
 
 
 # --- reading files ---------------------------------------------------------------------------------
-def load_table(path: str) -> datasets.Dataset:
-    """A data file as a `datasets.Dataset` (builder chosen by suffix), or a hub dataset `name[:split]`."""
-    p = Path(path)
-    builder = BUILDERS.get(p.suffix.lower())
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        if builder is not None:
-            if not p.is_file():
-                raise TaskError(f"{path}: data file not found")
-            if p.stat().st_size == 0:
-                raise TaskError(f"{path}: data file is empty")
-            table = datasets.load_dataset(builder, data_files=str(p), split="train")
-        elif p.exists():
-            raise TaskError(f"{path}: unknown data file type (use {', '.join(BUILDERS)})")
-        else:
-            name, _, split = path.partition(":")
-            table = datasets.load_dataset(name, split=split or "train")
-    except TaskError:
-        raise
-    except Exception as err:  # noqa: BLE001 - any reader error becomes one line naming the file
-        raise TaskError(f"{path}: cannot read it: {_first_line(err)}") from None
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-    if len(table) == 0:
-        raise TaskError(f"{path}: data file is empty (no rows)")
-    return table
-
-
 def read_examples(path: str, cfg: TextConfig, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
-    """Every row of `path` as an `Example` (chat rows rendered with the tokenizer's chat template)."""
-    table = load_table(path)
-    columns = list(table.column_names)
+    """Every row of `path` (read by `data.rows.read_rows`) as an `Example` (chat rows rendered with the
+    tokenizer's chat template); a row that lacks a field or whose field is not text is one line naming it."""
+    try:
+        rows = read_rows(path)
+    except DataFileError as err:
+        raise TaskError(str(err)) from None
+    columns = list(dict.fromkeys(key for row in rows for key in row.fields))
     if _is_chat(cfg, columns):
         if cfg.messages_field not in columns:
             raise TaskError(f"{path}: task.chat_template=true but the rows lack the field "
@@ -182,18 +156,23 @@ def read_examples(path: str, cfg: TextConfig, tokenizer: PreTrainedTokenizerBase
         if not getattr(tokenizer, "chat_template", None):
             raise TaskError(f"{path}: rows are chat messages but the tokenizer has no chat template "
                             f"(set task.chat_template=false and give {cfg.prompt_field!r}/{cfg.response_field!r})")
-        return [Example(*render_messages(m, tokenizer, f"{path} row {n}"), f"{path} row {n}")
-                for n, m in enumerate(table[cfg.messages_field], 1)]
-    missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
+        return [Example(*render_messages(row.fields.get(cfg.messages_field), tokenizer, row.where), row.where)
+                for row in rows]
+    fields = (cfg.prompt_field, cfg.response_field)
+    missing = [f for f in fields if f not in columns]
     if missing:
         raise TaskError(f"{path}: rows lack the field(s) {missing} (they have {columns}; set task.prompt_field/"
                         f"task.response_field, or give a {cfg.messages_field!r} list)")
     out = []
-    for n, (prompt, response) in enumerate(zip(table[cfg.prompt_field], table[cfg.response_field], strict=True), 1):
-        for key, value in ((cfg.prompt_field, prompt), (cfg.response_field, response)):
+    for row in rows:
+        lacking = [f for f in fields if f not in row.fields]
+        if lacking:
+            raise TaskError(f"{row.where}: the row lacks the field(s) {lacking} (it has {list(row.fields)})")
+        prompt, response = (row.fields[f] for f in fields)
+        for key, value in zip(fields, (prompt, response), strict=True):
             if not isinstance(value, str):
-                raise TaskError(f"{path} row {n}: field {key!r} is not text: {value!r}")
-        out.append(Example(prompt, response, f"{path} row {n}"))
+                raise TaskError(f"{row.where}: field {key!r} is not text: {value!r:.80}")
+        out.append(Example(prompt, response, row.where))
     return out
 
 
@@ -215,13 +194,8 @@ def render_messages(messages: Any, tokenizer: PreTrainedTokenizerBase, where: st
     try:
         prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
     except Exception as err:  # noqa: BLE001 - template errors are the row's
-        raise TaskError(f"{where}: the chat template failed: {_first_line(err)}") from None
+        raise TaskError(f"{where}: the chat template failed: {one_line(err)}") from None
     return prompt, response
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
 
 
 # --- tokenizing and rows ---------------------------------------------------------------------------
@@ -232,9 +206,10 @@ def resolve_tokenizer(cfg: TextConfig, tokenizer: PreTrainedTokenizerBase | None
             raise TaskError("task.tokenizer is not set (a local tokenizer folder or a hub name) and the "
                             "pipeline passed none")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code)
-        except Exception as err:  # noqa: BLE001
-            raise TaskError(f"task.tokenizer={cfg.tokenizer!r}: cannot load it: {_first_line(err)}") from None
+            tokenizer = load_tokenizer_folder(cfg.tokenizer, where="task.tokenizer",
+                                              trust_remote_code=cfg.trust_remote_code)
+        except TokenizerFolderError as err:
+            raise TaskError(str(err)) from None
     if not getattr(tokenizer, "is_fast", False):
         raise TaskError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: the text task needs "
                         "offset mappings (use a tokenizer.json / PreTrainedTokenizerFast)")

@@ -270,13 +270,13 @@ def _check_pretrained_models(cfg: DictConfig, task: Task) -> None:
 def _check_saved_tokenizer(folder: Path, tokenizer, key: str) -> None:
     """A model folder saved with a tokenizer (in it, or beside it as a run's or an export's `tokenizer/`) must
     have been trained with this task's token ids: a larger embedding table alone does not show that."""
-    from transformers import AutoTokenizer
+    from data.tokenizer import TokenizerFolderError, load_tokenizer_folder
 
     for where in (folder, folder.parent / "tokenizer"):
         if (where / "tokenizer.json").is_file() or (where / "tokenizer_config.json").is_file():
             try:
-                theirs = AutoTokenizer.from_pretrained(where).get_vocab()
-            except Exception:
+                theirs = load_tokenizer_folder(where, where=key).get_vocab()
+            except TokenizerFolderError:
                 continue
             ours = tokenizer.get_vocab()
             if any(theirs.get(token) != i for token, i in ours.items()):
@@ -286,13 +286,13 @@ def _check_saved_tokenizer(folder: Path, tokenizer, key: str) -> None:
 
 
 def _check_same_vocab(manifest: dict, tokenizer, export: str) -> None:
-    from transformers import AutoTokenizer
+    from data.tokenizer import TokenizerFolderError, load_tokenizer_folder
 
     tok_dir = Path(export) / manifest.get("tokenizer", "tokenizer")
     try:
-        theirs = AutoTokenizer.from_pretrained(tok_dir)
-    except Exception as e:
-        raise ConfigError(f"composition.compose_with: cannot read tokenizer of {export}: {str(e).splitlines()[0]}") from None
+        theirs = load_tokenizer_folder(tok_dir, where=f"composition.compose_with: {export}")
+    except TokenizerFolderError as e:
+        raise ConfigError(str(e)) from None
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"composition.compose_with: the tokenizer of {export} differs from this run's")
 
