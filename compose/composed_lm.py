@@ -296,7 +296,9 @@ class ComposedLM(nn.Module):
             adapted = [n for n in self.names if n in head.lora_A or n in getattr(head, "lora_embedding_A", {})]
             if adapted:
                 return None, f"expert {adapted[0]!r} adapts the output head (LoRA on it)"
-        return one_head_check([("background", base)])
+            head = head.base_layer  # adapters outside the composition: the composed rows never run them
+        with self.model.disable_adapter():
+            return one_head_check([("background", base)], head)
 
     def _trunk_start(self) -> tuple[int, str]:
         if self.backend != "adapters":

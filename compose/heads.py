@@ -101,12 +101,14 @@ def mix_hidden(hidden: Tensor, weights: Sequence[float], masks: Tensor | None = 
     return h[0] + (w * (h[1:] - h[0])).sum(0)
 
 
-def one_head_check(models: Sequence[tuple[str, nn.Module]]) -> tuple[OneHead | None, str]:
+def one_head_check(models: Sequence[tuple[str, nn.Module]], head: nn.Module | None = None) -> tuple[OneHead | None, str]:
     """``(OneHead, why)`` when every model's logits are one plain linear head (the same weights for all) applied to
-    its decoder's output, else ``(None, why not)`` in words. Runs one two-token forward per model."""
+    its decoder's output, else ``(None, why not)`` in words. Runs one two-token forward per model. ``head``: the
+    module to use as the (first) model's head instead of its ``get_output_embeddings()``."""
     first = None
     for label, model in models:
-        head = getattr(model, "get_output_embeddings", lambda: None)()
+        if head is None or first is not None:
+            head = getattr(model, "get_output_embeddings", lambda: None)()
         decoder = decoder_of(model)
         if head is None or decoder is None:
             return None, f"the {label} has no output head apart from its decoder"
