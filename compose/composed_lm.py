@@ -102,7 +102,7 @@ class ComposedLM(nn.Module):
         shared_trunk: run the layers no expert adapts on the background's rows only (adapters backend): None
             (default) where it applies, False never, True or an error naming why it does not apply.
         lazy: the default of :meth:`generate`'s ``lazy`` (gated composition skips the experts whose interval is
-            closed); the front ends set it for gated evaluation.
+            closed; ignored without gates); the front ends set it.
 
     Raises:
         ValueError: a component's vocabulary size or tokenizer differs from the background's (checked
@@ -246,7 +246,7 @@ class ComposedLM(nn.Module):
                 raise ValueError(f"{key} must be None (where exact), True or False, got {value!r}")
         self._forced = {"one_head": one_head, "shared_trunk": shared_trunk}
         self._paths: tuple[DecodingPaths, OneHead | None] | None = None
-        self.lazy = _check_lazy(lazy)
+        self.lazy = lazy
         self.floor_fallbacks = 0  # steps / score blocks where the floor could be reached: heads per component
 
     # ------------------------------------------------------------------ exact shortcuts
@@ -350,6 +350,15 @@ class ComposedLM(nn.Module):
             if not isinstance(spec, Mapping):
                 raise ValueError(f"spec of expert {name!r} must be a mapping, got {type(spec).__name__}")
         self._specs = [dict(s) for s in specs]
+
+    @property
+    def lazy(self) -> bool | str:
+        """:meth:`generate`'s ``lazy`` when the call gives none (``False``, ``True`` or ``"decode"``)."""
+        return self._lazy
+
+    @lazy.setter
+    def lazy(self, lazy: bool | str) -> None:
+        self._lazy = _check_lazy(lazy)
 
     @property
     def composition(self) -> str:
@@ -730,7 +739,7 @@ class ComposedLM(nn.Module):
                 floating-point rounding of the logits); the adapters backend then runs the background and the
                 open experts as one batch of row blocks; with a shared trunk (:attr:`paths`) a catch-up runs only the
                 expert's own top layers, on the trunk outputs kept for it. Ignored without gates. None (default):
-                :attr:`lazy`.
+                :attr:`lazy`, or False with ``compile``.
             compile: run each decoding step through ``torch.compile`` (one graph, static shapes) on static KV caches
                 (transformers' ``StaticCache``, ``STATIC_CACHE_STEP``-token multiples); the prompt's forward stays
                 eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
@@ -765,10 +774,12 @@ class ComposedLM(nn.Module):
         gates = self._gates(gates, prompt_len=input_ids.shape[1])
         choose = _token_chooser(do_sample, temperature, top_k, top_p, generator)
         stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
-        lazy = self.lazy if lazy is None else _check_lazy(lazy)
+        compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
+        if lazy is None:  # the model's default yields to an explicit compile
+            lazy = False if compile else self.lazy
+        lazy = _check_lazy(lazy)
         if gates is None:  # nothing to skip
             lazy = False
-        compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
         static_length = static_cache_length(input_ids.shape[1] + max_new_tokens) if compile else None

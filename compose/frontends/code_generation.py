@@ -251,7 +251,8 @@ def select_components(composed: ComposedLM, only: str | None) -> ComposedLM:
     """
     if only is None:
         return composed
-    common = dict(tokenizer=composed.tokenizer, min_logprob=composed.min_logprob, composition=composed.composition)
+    common = dict(tokenizer=composed.tokenizer, min_logprob=composed.min_logprob, composition=composed.composition,
+                  lazy=composed.lazy)
     if only == BACKGROUND:
         names, specs = [], []
     elif only in composed.names:
@@ -316,7 +317,9 @@ def _load(args: argparse.Namespace) -> ComposedLM:
     if backend is None:
         backend = "adapters" if {e["kind"] for e in experts} <= {"lora"} else "separate"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    composed = ComposedLM.from_manifest(manifest, backend=backend, device=device, composition=args.composition)
+    # gated: an expert runs only while its interval is open (ignored when soft or compiled)
+    composed = ComposedLM.from_manifest(manifest, backend=backend, device=device, composition=args.composition,
+                                        lazy=True)
     if args.dtype:
         composed.to(getattr(torch, args.dtype))
     return select_components(composed, args.only)

@@ -318,7 +318,8 @@ def load_composed(folder: Path, *, composition: str = "soft", device: str | torc
     """`ComposedLM.from_manifest` of a combined export: one PeftModel when every expert is LoRA, else separate."""
     kinds = {e["kind"] for e in load_manifest(folder)["experts"]}
     backend = "adapters" if kinds == {"lora"} else "separate"
-    return ComposedLM.from_manifest(folder, backend=backend, device=device, composition=composition)
+    # gated: an expert runs only while its interval is open (ignored when soft)
+    return ComposedLM.from_manifest(folder, backend=backend, device=device, composition=composition, lazy=True)
 
 
 def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | None = None, batch_size: int = 250,

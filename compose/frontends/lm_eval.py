@@ -127,6 +127,7 @@ class ComposedLMEval(TemplateLM):
         else:
             composed.composition = composition
             composed.to(device)
+        composed.lazy = True  # gated: an expert runs only while its interval is open (ignored when soft or compiled)
         if dtype not in (None, "auto"):
             from lm_eval.models.utils_hf import get_dtype
 
