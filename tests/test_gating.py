@@ -73,7 +73,7 @@ def test_closed_gate_removes_the_expert():
 def test_interval_gates_equal_teacher_forced_masks(monkeypatch):
     """The composed log-probs used at each decoding step equal score(..., masks=interval_masks)."""
     ids, mask = prompts()
-    model = composed(composition="gated", specs=SPECS)
+    model = composed(composition="gated", specs=SPECS, one_head=False)  # every step through compose_logprobs
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
     inner = composed_lm.compose_logprobs
 
