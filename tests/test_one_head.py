@@ -213,3 +213,35 @@ def test_shared_trunk_forced_where_it_does_not_apply():
         ComposedLM(background, [], one_head="yes")
     forced = ComposedLM.from_peft(layered_peft([[2, 3], [3]]), ["e0", "e1"], shared_trunk=True, one_head=True)
     assert forced.paths.trunk_start == 2 and "layers 0-1 of 4" in forced.describe()
+
+
+def test_gemma3_sliding_window_layers_share_the_trunk():
+    """Gemma-3's layout (sliding-window and full layers, a rotary embedding per layer type), the window exceeded
+    within the generation: both shortcuts and lazy catch-ups over the trunk give the plain tokens."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                              final_logit_softcapping=None, pad_token_id=PAD, eos_token_id=2, bos_token_id=1)
+    model = None
+    for i, layers in enumerate([[2, 3], [3]]):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, layers_to_transform=layers)
+        if model is None:
+            model = get_peft_model(Gemma3ForCausalLM(config).eval(), lora, adapter_name=f"e{i}")
+        else:
+            model.add_adapter(f"e{i}", lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    plain, fast = pair(model.eval(), 2, "adapters", "soft")
+    assert fast.paths.one_head and fast.paths.trunk_start == 2
+    assert_same(plain, fast)
+    plain.composition = fast.composition = "gated"
+    ids, mask = prompts()
+    gates = [lambda prefix: (prefix[:, -1] % 3) == 0, lambda prefix: (prefix[:, -1] % 2) == 1]
+    out = plain.generate(ids, mask, gates=gates, **KW)
+    for lazy in (True, "decode"):
+        assert torch.equal(fast.generate(ids, mask, gates=gates, lazy=lazy, **KW), out)
