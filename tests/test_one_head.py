@@ -245,3 +245,16 @@ def test_gemma3_sliding_window_layers_share_the_trunk():
     out = plain.generate(ids, mask, gates=gates, **KW)
     for lazy in (True, "decode"):
         assert torch.equal(fast.generate(ids, mask, gates=gates, lazy=lazy, **KW), out)
+
+
+def test_from_manifest_takes_the_path_options(tmp_path):
+    from compose.export import export_composition
+
+    model = layered_peft([None, None], head=True)
+    export_composition(tmp_path / "export", tokenizer=build_char_tokenizer(ALPHABET), peft_model=model,
+                       adapter_names=["e0", "e1"])
+    assert not ComposedLM.from_manifest(tmp_path / "export", one_head=False).paths.one_head
+    with pytest.raises(ValueError, match="one_head=True does not apply: expert 'e0' adapts the output head"):
+        ComposedLM.from_manifest(tmp_path / "export", one_head=True)
+    loaded = ComposedLM.from_manifest(tmp_path / "export", lazy=True)
+    assert loaded.lazy is True and not loaded.paths.one_head
