@@ -478,10 +478,12 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     summary |= length_sweep(task, background, module, plan.trained, bs)
     if any("interval" in plan.specs[n] for n in plan.in_play):
         # Gated: each expert's factor only where its stopping-time detector says its interval is open.
+        # Lazy: an expert runs only once its interval opens (the same tokens, fewer forwards).
         composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
+        composed.lazy = True
         console.stage("composition", "decoding the compositional test rows again, gated")
         summary["composition"]["gated"] = task.evaluate_composition(composed, test_set, bs)
-        composed.composition = "soft"
+        composed.composition, composed.lazy = "soft", False
     if task.notes:
         summary["composition"]["notes"] = task.notes
     if is_leader():
