@@ -1,4 +1,4 @@
-"""Callbacks: evaluate the composition during validation; export for composition at fit end."""
+"""Callbacks: evaluate the composition (and downstream tasks) during validation; export for composition at fit end."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from transformers import PreTrainedModel
 
+from compose.composed_lm import ComposedLM
 from compose.distributed import sharded
 from compose.export import export_composition
 from data.tasks import Task, settings_node
@@ -62,6 +63,42 @@ class CompositionEvaluation(pl.Callback):
             self.last = self.task.composition_metrics(composed, dataset, self.batch_size, self.active_threshold)
         for key, value in self.last.items():
             pl_module.log(f"val/composed/{key}", value, prog_bar=key == "exact_match", sync_dist=True)
+
+
+class DownstreamEvaluation(pl.Callback):
+    """At validation end, score the background, each trained expert alone and the composition on downstream tasks.
+
+    `evaluate` maps a `ComposedLM` to flat metrics `{"<task>/<metric>": value}` (the pipeline passes its lm-eval
+    runner, `lightning_modules.pipeline.downstream.LMEvalRunner`); each is logged as
+    `val/lm_eval/<task>/<metric>/<model>`, `<model>` being `background`, an expert's name or `composed`. The
+    models are built from the live modules (`composed_model`), as `CompositionEvaluation` builds its own; every
+    rank calls `evaluate` in step and gets the same values.
+
+    Args:
+        evaluate: the evaluation of one composed model.
+        tokenizer: the models' tokenizer.
+        prefix: the logged keys' prefix.
+    """
+
+    def __init__(self, evaluate: Callable[[ComposedLM], Mapping[str, float]], tokenizer,
+                 prefix: str = "val/lm_eval") -> None:
+        self.evaluate, self.tokenizer, self.prefix = evaluate, tokenizer, prefix
+        self.last: dict[str, float] = {}
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        tok, self.last = self.tokenizer, {}
+        with full_parameters(trainer):
+            models = {"background": lambda: pl_module.composed_model(tok, names=[]),
+                      **{name: lambda name=name: pl_module.composed_model(tok, names=[name]) for name in pl_module.names},
+                      "composed": lambda: pl_module.composed_model(tok)}
+            for model, build in models.items():
+                for key, value in self.evaluate(build()).items():
+                    self.last[f"{self.prefix}/{key}/{model}"] = value
+        for key, value in self.last.items():
+            pl_module.log(key, value, sync_dist=True)
 
 
 class ExportForComposition(pl.Callback):

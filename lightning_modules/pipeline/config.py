@@ -173,6 +173,18 @@ class ExpertTrainingConfig:
 
 
 @dataclass
+class LMEvalConfig:
+    """`composition.lm_eval`: lm-evaluation-harness tasks run at each validation of the experts stage on the
+    background, each trained expert alone and the composition (`pipeline.downstream`), logged as
+    `val/lm_eval/<task>/<metric>/<model>`. No tasks: nothing runs. Needs the `eval` extra (lm-eval)."""
+
+    tasks: list[str] = field(default_factory=list)  # task names or glob patterns (configs/lm_eval/: letters_*)
+    include_path: str | None = None  # a folder of task YAMLs; its tasks load from it alone (fast)
+    limit: Any = None  # at most this many examples per task (a fraction in (0, 1): that share); null: all
+    batch_size: int = 32  # requests per forward
+
+
+@dataclass
 class CompositionConfig:
     # Earlier exports whose experts join the composition (trained against the same background).
     compose_with: list[str] = field(default_factory=list)
@@ -181,6 +193,7 @@ class CompositionConfig:
     eval_batch_size: int = 250
     # Validation-time composition: how many compositional val inputs to decode (None: all).
     val_limit: int | None = 200
+    lm_eval: LMEvalConfig = field(default_factory=LMEvalConfig)
 
 
 @dataclass
@@ -196,6 +209,10 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     limit_val_batches: Any = 1.0
     num_sanity_val_steps: int = 0
+    # Where the stages' metrics go besides logs/<stage>/metrics.csv (always written: resume and the report read
+    # it): csv (nothing more) | tensorboard | wandb (offline unless WANDB_MODE says otherwise) | mlflow (a local
+    # store under logs/mlruns unless MLFLOW_TRACKING_URI is set). The last three need their package installed.
+    logger: str = "csv"
 
 
 @dataclass
@@ -240,6 +257,7 @@ def choices() -> dict[str, tuple]:
         "model.head": ("token", "factored"),
         "expert.regularizer": REGULARIZERS,
         "model.position_encoding": ("auto", "rope", "nope", "coupled"),
+        "trainer.logger": tuple(LOGGERS),
     }
 
 
@@ -405,6 +423,8 @@ def _note_task_keys(task_sources: dict[str, str], loaded: DictConfig, source: st
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 NAME_RULE = "[A-Za-z0-9][A-Za-z0-9_.-]* (ASCII letters, digits, _ . -; not starting with _ . -)"
 BASELINES = ("task_arithmetic", "ties", "dare")
+# trainer.logger -> the package its Lightning logger needs (None: none beyond Lightning).
+LOGGERS: dict[str, str | None] = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "tpu", "auto")
 MAX_SEED = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 
@@ -443,6 +463,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "composition.active_threshold": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "composition.eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "composition.val_limit": (lambda v: v is None or (_int(v) and v >= 1), "null (all) or an integer >= 1"),
+    "composition.lm_eval.limit": (lambda v: v is None or (_int(v) and v >= 1) or (_number(v) and 0 < v < 1),
+                                  "null (all), an integer >= 1 (examples per task) or a fraction in (0, 1)"),
+    "composition.lm_eval.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "trainer.val_check_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1 (training steps)"),
     "trainer.log_every_n_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "trainer.num_sanity_val_steps": (lambda v: _int(v) and v >= -1, "an integer >= -1 (-1: all)"),
@@ -593,8 +616,19 @@ def _check_runs(cfg: DictConfig) -> None:
     if cfg.composition.compose_with and cfg.expert.mode != "lora":
         raise ConfigError(f"composition.compose_with needs expert.mode=lora (its experts are LoRA adapters), "
                           f"got expert.mode={cfg.expert.mode}")
+    _check_lm_eval(cfg.composition.lm_eval)
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path: checkpoint file not found: {cfg.ckpt_path} (give a .ckpt file or 'last')")
+
+
+def _check_lm_eval(node: DictConfig) -> None:
+    """`composition.lm_eval`'s task names and folder (whether lm-eval knows the tasks: `stages.plan_run`)."""
+    bad = [t for t in node.tasks if not (isinstance(t, str) and t.strip())]
+    if bad:
+        raise _bad("composition.lm_eval.tasks", list(node.tasks), "a list of lm-eval task names")
+    if node.include_path is not None and not Path(node.include_path).is_dir():
+        raise ConfigError(f"composition.lm_eval.include_path={node.include_path}: no such folder (a folder of "
+                          "lm-eval task YAMLs, e.g. configs/lm_eval)")
 
 
 def _check_expert(cfg: DictConfig) -> None:

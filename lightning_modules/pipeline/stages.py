@@ -1,8 +1,9 @@
 """The pipeline `train.py` runs: background → experts → composition, each a Lightning fit or evaluation.
 
 It talks to the task only through `data.tasks.Task`. Everything a run writes lands in its `output_dir`:
-`config.yaml`, `background/` (HF folder), `tokenizer/`, `checkpoints/<stage>/`, `logs/<stage>/` (CSV,
-TensorBoard when installed), `export/` (for composition) and `summary.json`.
+`config.yaml`, `background/` (HF folder), `tokenizer/`, `checkpoints/<stage>/`, `logs/<stage>/` (CSV, and the
+logger `trainer.logger` adds: `pipeline.loggers`), `export/` (for composition, with its model card `README.md`)
+and `summary.json`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from compose.atomic import PAUSE_ENV, atomic_save, atomic_write_text, remove_sta
 from compose.distributed import agree, barrier, is_leader, sharded
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
 from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
+from compose.model_card import write_model_card
 from data.tasks import Expert, Task
 from lightning_modules.background import BackgroundLM
-from lightning_modules.callbacks import CompositionEvaluation, ExportForComposition
+from lightning_modules.callbacks import CompositionEvaluation, DownstreamEvaluation, ExportForComposition
 from lightning_modules.expert import ExpertLM
 from lightning_modules.pipeline import console
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
@@ -40,7 +42,9 @@ from lightning_modules.pipeline.build import (
     expert_background,
 )
 from lightning_modules.pipeline.config import ConfigError, is_pretrained
+from lightning_modules.pipeline.downstream import LMEvalRunner, check_lm_eval
 from lightning_modules.pipeline.feature_head import check_factored, merge_factored_head
+from lightning_modules.pipeline.loggers import check_logger, stage_loggers
 from lightning_modules.pipeline.models import (
     build_causal_lm,
     count_parameters,
@@ -53,13 +57,14 @@ from lightning_modules.pipeline.report import write_report
 from lightning_modules.pipeline.resume import (
     AtomicCheckpointIO,
     PausePoints,
-    ResumableCSVLogger,
     check_resume,
     last_step,
     seed_stage,
 )
 from losses import IGNORE_INDEX, divergence
 
+# The summary's sections an export's model card shows (timing, length sweeps and ablations stay in the report).
+CARD_METRICS = ("background", "experts", "composition", "baselines")
 # Keys of the composition's metrics that belong to one expert (`<name>/<key>`): they go under
 # `summary.experts.<name>`.
 PER_EXPERT_KEYS = ("off_mask_kl", "on_mask_kl", "max_off_mask_log_ratio", "skill_accuracy", "active_precision",
@@ -141,6 +146,7 @@ def check_trainer(cfg: DictConfig) -> None:
     from lightning.pytorch.accelerators import MPSAccelerator, XLAAccelerator
 
     t = cfg.trainer
+    check_logger(t.logger)
     if t.strategy in FSDPStrategy.get_registered_strategies() and t.accelerator not in ("gpu", "cuda"):
         raise ConfigError(f"trainer.strategy={t.strategy} needs trainer.accelerator=gpu (CUDA devices; got "
                           f"trainer.accelerator={t.accelerator}): Lightning runs FSDP on CUDA only; on CPU use "
@@ -190,6 +196,7 @@ def plan_run(cfg: DictConfig) -> Plan:
     if is_leader():
         check_resume(cfg, out)
     check_trainer(cfg)
+    check_lm_eval(cfg)
     for key in PRETRAINED_KEYS:
         if OmegaConf.select(cfg, key):
             _verify_export_holding(pretrained_folder(OmegaConf.select(cfg, key), key), key)
@@ -330,14 +337,7 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
             else dict(every_n_train_steps=t.val_check_interval))
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints" / stage, filename="step{step}", save_last=True,
                                  save_top_k=1, auto_insert_metric_name=False, **when)
-    loggers = [ResumableCSVLogger(out / "logs", name=stage, version="")]
-    try:
-        import tensorboard  # noqa: F401
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(out / "logs", name=stage, version="tb"))
-    except ImportError:
-        pass
+    loggers = stage_loggers(cfg, out, stage)
     # The progress bar counts the stage's steps (console.StepProgressBar); a default value is left to Lightning
     # (passing `limit_val_batches=1.0` explicitly makes it print that it will use 100% of the batches).
     bar = [console.StepProgressBar(stage)] if t.enable_progress_bar else []
@@ -421,6 +421,8 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
                              extra={"experiment": cfg.experiment, "seed": cfg.seed, "task": cfg.task.name},
                              overwrite=cfg.ckpt_path == "last"),
     ]
+    if c.lm_eval.tasks:  # downstream tasks at each validation, on the background, each expert and the composition
+        callbacks.insert(1, DownstreamEvaluation(LMEvalRunner.from_config(cfg), plan.tokenizer))
     export, last = plan.out / "export" / MANIFEST_NAME, plan.out / "checkpoints" / "experts" / "last.ckpt"
     # Finished earlier: the export is written at the end of the fit, `last.ckpt` right after it. An export
     # without the final checkpoint (a kill in between) resumes the fit, which writes both again.
@@ -586,6 +588,8 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     summary["export"] = str(plan.out / "export") if plan.trained else None
     if leader:
         atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
+        if plan.trained:  # the export's model card (outside its checksums: the export still verifies)
+            write_model_card(plan.out / "export", metrics={k: summary[k] for k in CARD_METRICS if k in summary})
         if cfg.report:
             summary["report"] = str(write_report(summary, plan.out))
     return summary
