@@ -9,9 +9,11 @@ fine-tuning each expert is its own copy and the background a frozen copy.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -27,8 +29,10 @@ from compose import ComposedLM
 from compose.grouped_lora import peft_adapter_names
 from compose.heads import hidden_and_head
 from compose.metrics import ActiveSetPrecisionRecall, MaskedDivergence
+from compose.model_io import pretrained_causal_lm
 from compose.modules import eval_mode
 from compose.positions import model_position_ids
+from compose.trunk import decoder_layers
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
 from losses import IGNORE_INDEX, check_divergence_args, off_mask_divergence, region_positions, task_nll
@@ -41,6 +45,8 @@ Regularizer = Literal["token", "features"]
 MODES: tuple[str, ...] = get_args(Mode)
 REGULARIZERS: tuple[str, ...] = get_args(Regularizer)
 _ANY = object()  # a reference to a setting that names no value
+_TOP_LAYERS = re.compile(r"top_[1-9][0-9]*")
+HEAD_MODULES = ("lm_head",)  # LoRA targets that name the output head, which no decoder layer holds
 
 
 def setting_name(name: str | None, value: Any = _ANY) -> str:
@@ -75,6 +81,9 @@ class ExpertSettings:
         mode: "lora" (peft adapters), "full" (a full copy per expert) or "head" (a copy per expert whose output
             layer alone trains: the linear setting of METHOD.md §2).
         lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
+        lora_layers: the decoder layers that carry adapters (peft's `layers_to_transform`): None (all), `"top_L"`
+            (the top L layers) or a tuple of layer indices; `target_modules="all-linear"` then means the linear
+            layers of those decoder layers. Not with the output head among the targets (`lm_head`).
         reg_weight: λ of the regularizer; 0 is plain fine-tuning.
         divergence, jsd_beta, temperature: the divergence `D`, a name in `losses.DIVERGENCES`.
         task_loss_on_mask_only: score the task NLL on mask positions only.
@@ -100,6 +109,7 @@ class ExpertSettings:
     lora_r: int = 8
     lora_alpha: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
+    lora_layers: str | tuple[int, ...] | None = None
     reg_weight: float = 3.0
     divergence: str = "forward_kl"
     jsd_beta: float = 0.5
@@ -119,6 +129,8 @@ class ExpertSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.lora_layers is not None and not isinstance(self.lora_layers, str):
+            object.__setattr__(self, "lora_layers", tuple(self.lora_layers))
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
         if self.regularizer not in REGULARIZERS:
@@ -132,6 +144,7 @@ class ExpertSettings:
     def _check_together(self) -> None:
         """The settings that do not go together, each rule once."""
         chunk, cache, none = ("loss_chunk_size",), ("background_top_k",), (None, None)
+        self._check_layers()
         if self.position_jump and self.background_top_k is not None:
             raise SettingsError("{jump} cannot be used with {cache} (the cache holds one set of positions per row): "
                                 "set one of them to 0 / {none}", jump=("position_jump",), cache=cache, none=none)
@@ -154,11 +167,55 @@ class ExpertSettings:
                                 features=("regularizer", "features"), token=("regularizer", "token"),
                                 no_chunk=(*chunk, None))
 
+    def _check_layers(self) -> None:
+        """`lora_layers`: its form, and LoRA targets it can go with (peft's `layers_to_transform` needs a list of
+        module names; `all-linear` is resolved to one per model)."""
+        layers = self.lora_layers
+        if layers is None:
+            return
+        ref = ("lora_layers", layers if isinstance(layers, str) else list(layers))
+        if isinstance(layers, str):
+            if not _TOP_LAYERS.fullmatch(layers):
+                raise SettingsError("{layers}: give top_L (the top L decoder layers, e.g. top_4) or a list of layer "
+                                    "indices", layers=ref)
+        elif not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+                or len(set(layers)) != len(layers):
+            raise SettingsError("{layers}: give top_L (e.g. top_4) or a non-empty list of distinct layer indices >= 0",
+                                layers=ref)
+        targets = self.target_modules
+        if isinstance(targets, str) and targets != "all-linear":
+            raise SettingsError("{layers} needs {targets} as a list of module names or all-linear (peft matches a "
+                                "string as a pattern over whole module paths)", layers=ref,
+                                targets=("target_modules", targets))
+        if not isinstance(targets, str) and any(t.split(".")[-1] in HEAD_MODULES for t in targets):
+            raise SettingsError("{layers} puts adapters on some decoder layers, but {targets} adapts the output head, "
+                                "which lies outside them: drop lm_head from the targets or set {all_layers}",
+                                layers=ref, targets=("target_modules", list(targets)), all_layers=("lora_layers", None))
+
+    def layer_indices(self, num_layers: int) -> list[int] | None:
+        """The decoder layers that carry adapters in a model of `num_layers` layers (None: all). Raises a
+        `SettingsError` naming `lora_layers` for layers the model does not have."""
+        layers = self.lora_layers
+        if layers is None:
+            return None
+        if isinstance(layers, str):
+            top = int(layers.removeprefix("top_"))
+            if top > num_layers:
+                raise SettingsError("{layers}: the model has only " + f"{num_layers} decoder layers",
+                                    layers=("lora_layers", layers))
+            return list(range(num_layers - top, num_layers))
+        beyond = [i for i in layers if i >= num_layers]
+        if beyond:
+            raise SettingsError("{layers}: the model has decoder layers 0 to " + f"{num_layers - 1} only (no layer "
+                                f"{beyond[0]})", layers=("lora_layers", list(layers)))
+        return sorted(layers)
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain data (what a checkpoint's and the logs' hyperparameters record)."""
         values = asdict(self)
-        if not isinstance(self.target_modules, str):
-            values["target_modules"] = list(self.target_modules)
+        for key in ("target_modules", "lora_layers"):
+            if isinstance(getattr(self, key), tuple):
+                values[key] = list(getattr(self, key))
         return values
 
 
@@ -174,6 +231,10 @@ class ExpertLM(pl.LightningModule):
         settings: how they train (`ExpertSettings`).
         frozen_adapters: {name: adapter folder} of experts trained earlier, loaded (not trained) so
             they join the composition evaluated in validation.
+        init_from: {name: folder} of experts that start from an existing PEFT adapter (`mode="lora"`: trained
+            further with its own LoRA settings; `mode="full"`: merged into the expert's copy) or full HF model
+            (`mode="full"`) instead of a fresh one (`init_kind`; the pipeline checks that each fits the
+            background before building this).
         weights: composition weight per expert name (default 1).
         feature_map, owned_features: the task's token bijection and, per expert name, the features it owns
             (default: all), for `settings.regularizer="features"`.
@@ -181,8 +242,8 @@ class ExpertLM(pl.LightningModule):
 
     def __init__(self, background: PreTrainedModel, names: Sequence[str], settings: ExpertSettings = ExpertSettings(),
                  *, frozen_adapters: Mapping[str, str] | None = None, weights: Mapping[str, float] | None = None,
-                 feature_map: FeatureMap | None = None,
-                 owned_features: Mapping[str, Sequence[str]] | None = None) -> None:
+                 feature_map: FeatureMap | None = None, owned_features: Mapping[str, Sequence[str]] | None = None,
+                 init_from: Mapping[str, str] | None = None) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
@@ -190,10 +251,20 @@ class ExpertLM(pl.LightningModule):
             raise ValueError("frozen_adapters (compose_with) needs mode='lora'")
         if settings.regularizer == "features" and feature_map is None:
             raise ValueError("regularizer='features' needs a feature_map")
+        init_from = {n: str(path) for n, path in (init_from or {}).items()}
+        for name, path in init_from.items():
+            if name not in names:
+                raise ValueError(f"init_from names {name!r}, which is not an expert trained here ({list(names)})")
+            kind = init_kind(path)
+            if settings.mode not in INIT_MODES[kind]:
+                raise ValueError(f"init_from[{name!r}]={path} is a {kind} folder: it needs mode "
+                                 f"{' or '.join(INIT_MODES[kind])}, got mode={settings.mode!r}")
         self.settings, self.names, self.frozen_names = settings, list(names), list(frozen_adapters or {})
+        self.init_from = init_from
         self.weights, self.feature_map = dict(weights or {}), feature_map
         self.save_hyperparameters({**settings.to_dict(), "names": self.names,
-                                   "frozen_adapters": dict(frozen_adapters or {}), "weights": self.weights,
+                                   "frozen_adapters": dict(frozen_adapters or {}), "init_from": init_from,
+                                   "weights": self.weights,
                                    "owned_features": {k: list(v) for k, v in (owned_features or {}).items()}})
         self.background_cache = (None if settings.background_top_k is None else
                                  BackgroundCache(settings.background_top_k, temperatures=(settings.temperature, 1.0)))
@@ -213,16 +284,29 @@ class ExpertLM(pl.LightningModule):
 
     def _attach_adapters(self, background: PreTrainedModel, frozen_adapters: Mapping[str, str]) -> None:
         """`mode="lora"`: one trainable adapter per expert on the background, and the frozen ones loaded."""
-        s = self.settings
-        targets = s.target_modules if isinstance(s.target_modules, str) else list(s.target_modules)
-        config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, bias="none",
-                            target_modules=targets, task_type="CAUSAL_LM")
-        self.model: nn.Module = get_peft_model(background, config, adapter_name=self.names[0])
+        config = self._lora_config(background)
+        first, path = self.names[0], self.init_from.get(self.names[0])
+        self.model: nn.Module = (PeftModel.from_pretrained(background, path, adapter_name=first, is_trainable=True)
+                                 if path else get_peft_model(background, config, adapter_name=first))
         for name in self.names[1:]:
-            self.model.add_adapter(name, config)
+            if name in self.init_from:  # its own LoRA settings, as saved
+                self.model.load_adapter(self.init_from[name], adapter_name=name, is_trainable=True)
+            else:
+                self.model.add_adapter(name, config)
         for name, path in frozen_adapters.items():
             self.model.load_adapter(path, adapter_name=name, is_trainable=False)
         self.model.set_requires_grad(self.names, True)
+
+    def _lora_config(self, background: PreTrainedModel) -> LoraConfig:
+        """The new adapters' `LoraConfig`; with `lora_layers`, on those decoder layers only (`all-linear` then names
+        the linear layers inside them: peft takes `layers_to_transform` with a list of module names only)."""
+        s = self.settings
+        targets = s.target_modules if isinstance(s.target_modules, str) else list(s.target_modules)
+        layers = s.layer_indices(background.config.get_text_config().num_hidden_layers)
+        if layers is not None and targets == "all-linear":
+            targets = linear_module_names(background)
+        return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, bias="none", target_modules=targets,
+                          layers_to_transform=layers, task_type="CAUSAL_LM")
 
     def _copy_experts(self, background: PreTrainedModel) -> None:
         """`mode="full"` or `"head"`: a trainable copy per expert (its output layer alone for "head": logits are
@@ -232,10 +316,22 @@ class ExpertLM(pl.LightningModule):
         if head and background.get_output_embeddings().weight is background.get_input_embeddings().weight:
             raise ValueError("mode='head' needs untied input/output embeddings")
         self.background = background.eval()
-        self.experts = nn.ModuleDict({n: copy.deepcopy(background) for n in self.names})
+        self.experts = nn.ModuleDict({n: self._expert_copy(background, self.init_from.get(n)) for n in self.names})
         for expert in self.experts.values():
             for p in (expert.get_output_embeddings() if head else expert).parameters():
                 p.requires_grad_(True)
+
+    @staticmethod
+    def _expert_copy(background: PreTrainedModel, init_from: str | None) -> PreTrainedModel:
+        """A full expert: a copy of the background, or the model of `init_from`, or the background with the adapter
+        of `init_from` merged in (its difference from the background then trains in full)."""
+        if init_from is None:
+            return copy.deepcopy(background)
+        if init_kind(init_from) == "model":
+            expert = pretrained_causal_lm(init_from, dtype=background.dtype)
+        else:
+            expert = PeftModel.from_pretrained(copy.deepcopy(background), init_from).merge_and_unload()
+        return expert
 
     # --- forwards -----------------------------------------------------------------------------
     def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
@@ -510,6 +606,33 @@ class ExpertLM(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         h = self.settings
         return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
+
+
+# what an `init_from` folder holds -> the modes it can start an expert of
+INIT_MODES: dict[str, tuple[str, ...]] = {"adapter": ("lora", "full"), "model": ("full",)}
+
+
+def init_kind(folder: str | Path) -> Literal["adapter", "model"]:
+    """What an `init_from` folder holds: a PEFT adapter (`adapter_config.json`) or a full HF model (`config.json`).
+    Raises a one-line `ValueError` naming the folder for anything else."""
+    folder = Path(folder)
+    if (folder / "adapter_config.json").is_file():
+        return "adapter"
+    if (folder / "config.json").is_file():
+        return "model"
+    raise ValueError(f"{folder} is neither a PEFT adapter folder (adapter_config.json) nor an HF model folder "
+                     "(config.json)")
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The names (last path part) of the linear layers inside `model`'s decoder layers: what peft's `all-linear`
+    adapts there."""
+    from transformers.pytorch_utils import Conv1D
+
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to choose from (get_decoder().layers)")
+    return sorted({name.split(".")[-1] for name, m in layers.named_modules() if isinstance(m, nn.Linear | Conv1D)})
 
 
 def _mean(row_sums: Tensor, row_counts: Tensor) -> Tensor:

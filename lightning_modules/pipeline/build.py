@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # `ExpertSettings` field -> the config key that sets it (`expert_settings`; its errors name these keys).
 SETTING_KEYS = {
     "mode": "expert.mode", "lora_r": "expert.lora.r", "lora_alpha": "expert.lora.alpha",
-    "target_modules": "expert.lora.target_modules", "reg_weight": "expert.reg_weight",
+    "target_modules": "expert.lora.target_modules", "lora_layers": "expert.lora.layers",
+    "reg_weight": "expert.reg_weight",
     "divergence": "expert.divergence", "jsd_beta": "expert.jsd_beta", "temperature": "expert.temperature",
     "task_loss_on_mask_only": "expert.task_loss_on_mask_only", "lr": "expert.optim.lr",
     "weight_decay": "expert.optim.weight_decay", "warmup_ratio": "expert.optim.warmup_ratio",
@@ -103,6 +104,7 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
     try:
         return ExpertSettings(
             mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha, target_modules=lora_target_modules(cfg),
+            lora_layers=_plain(e.lora.layers),
             reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
             task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
             warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps,
@@ -114,6 +116,11 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
         raise ConfigError(err.render(config_name)) from None
     except ValueError as err:
         raise ConfigError(f"expert: {err}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (lists and mappings of OmegaConf become list and dict)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def build_datamodule(cfg: DictConfig, task: Task, stage: str,
@@ -145,10 +152,13 @@ def expert_background(cfg: DictConfig, path: str | Path, tokenizer: Any, mode: s
 def build_expert(cfg: DictConfig, task: Task, background: Any, *, frozen_adapters: dict[str, str] | None = None,
                  settings: ExpertSettings | None = None, module_class: type[ExpertLM] | None = None) -> ExpertLM:
     """The experts' module: the task's trained experts on `background`, with `settings` (default:
-    `expert_settings(cfg)`), the composition weights of every expert in play, and the task's feature map."""
+    `expert_settings(cfg)`), the composition weights of every expert in play, the task's feature map, and the
+    folders the experts start from (`expert.init_from`)."""
     from lightning_modules.expert import ExpertLM
+    from lightning_modules.pipeline.init_from import init_from_folders
 
     return (module_class or ExpertLM)(
         background, task.trained, settings or expert_settings(cfg), frozen_adapters=frozen_adapters,
         weights={e.name: e.weight for e in task.experts}, feature_map=task.feature_map,
-        owned_features={n: task.owned_features(n) for n in task.trained})
+        owned_features={n: task.owned_features(n) for n in task.trained},
+        init_from={n: str(path) for n, path in init_from_folders(cfg).items() if n in task.trained})

@@ -7,6 +7,7 @@ wrong type is a one-line `ConfigError` naming the key (with close matches).
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -123,6 +124,10 @@ class LoraSettings:
     # `load_config` (see `lora_target_modules`): LLAMA_LORA_TARGETS for a Llama built from scratch, peft's
     # "all-linear" for a pretrained model (model.pretrained_path or background.path) or a GPT-2.
     target_modules: Any = None
+    # The decoder layers that carry adapters (peft's layers_to_transform): null (all), top_L (the top L layers,
+    # e.g. top_4) or a list of layer indices; all-linear then means the linear layers inside them. Experts on the
+    # top layers only share the layers below in composed decoding (compose.trunk). Not with lm_head in the targets.
+    layers: Any = None
 
 
 @dataclass
@@ -170,6 +175,11 @@ class ExpertTrainingConfig:
     # ~B·c·V logits held instead of B·T·V, for long rows and large vocabularies (benchmarks/regularizer_memory.py).
     # Not with background_cache or regularizer=features.
     loss_chunk_size: int | None = ExpertSettings.loss_chunk_size
+    # Start experts from existing folders instead of fresh adapters or copies (pipeline/init_from.py): one PEFT
+    # adapter or HF model folder (a run that trains one expert), or a mapping {expert name: folder}. An adapter
+    # keeps its own LoRA settings under expert.mode=lora (merged into the copy under full); a full model needs
+    # expert.mode=full. Needs background.path: each folder must fit that background.
+    init_from: Any = None
 
 
 @dataclass
@@ -643,6 +653,10 @@ def _check_expert(cfg: DictConfig) -> None:
         raise ConfigError(f"expert.lora.target_modules={targets!r}: give a list of module names, a string such "
                           "as all-linear, or null (automatic)")
     expert_settings(cfg)  # raises ConfigError
+    _check_lora_layers(cfg)
+    from lightning_modules.pipeline.init_from import check_init_from
+
+    check_init_from(cfg)
     if "fsdp" in cfg.trainer.strategy or "deepspeed_stage_3" in cfg.trainer.strategy:
         # The cache: each rank runs the background only on the rows it has not cached, and a sharded forward (a
         # collective) entered by some ranks and not others would hang. Chunked losses: each block runs the
@@ -654,6 +668,35 @@ def _check_expert(cfg: DictConfig) -> None:
         if e.loss_chunk_size is not None:
             raise ConfigError(f"expert.loss_chunk_size cannot run with trainer.strategy={cfg.trainer.strategy} "
                               "(sharded weights); use ddp, or set expert.loss_chunk_size=null")
+
+
+def _check_lora_layers(cfg: DictConfig) -> None:
+    """`expert.lora.layers` names layers the model has: `model.num_layers` for a model built from scratch, the
+    pretrained folder's `num_hidden_layers` otherwise."""
+    from lightning_modules.expert import SettingsError
+    from lightning_modules.pipeline.build import config_name, expert_settings
+
+    settings = expert_settings(cfg)
+    if settings.lora_layers is None or cfg.expert.mode != "lora":
+        return
+    num_layers = cfg.model.num_layers
+    key = "background.path" if cfg.background.path else "model.pretrained_path"
+    if is_pretrained(cfg):
+        from lightning_modules.pipeline.models import pretrained_folder
+
+        try:
+            config = json.loads((pretrained_folder(OmegaConf.select(cfg, key), key) / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # the missing or unreadable model is named where it is loaded (stages.plan_run)
+        num_layers = config.get("num_hidden_layers", config.get("n_layer",
+                                                                (config.get("text_config") or {}).get("num_hidden_layers")))
+        if not isinstance(num_layers, int):
+            return
+    try:
+        settings.layer_indices(num_layers)
+    except SettingsError as err:
+        raise ConfigError(err.render(config_name) + (f" ({key})" if is_pretrained(cfg) else " (model.num_layers)")) \
+            from None
 
 
 def is_pretrained(cfg: DictConfig) -> bool:
