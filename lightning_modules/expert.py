@@ -129,7 +129,7 @@ class ExpertSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if self.lora_layers is not None and not isinstance(self.lora_layers, str):
+        if isinstance(self.lora_layers, list | tuple):
             object.__setattr__(self, "lora_layers", tuple(self.lora_layers))
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
@@ -173,12 +173,12 @@ class ExpertSettings:
         layers = self.lora_layers
         if layers is None:
             return
-        ref = ("lora_layers", layers if isinstance(layers, str) else list(layers))
+        ref = ("lora_layers", list(layers) if isinstance(layers, tuple) else layers)
         if isinstance(layers, str):
             if not _TOP_LAYERS.fullmatch(layers):
                 raise SettingsError("{layers}: give top_L (the top L decoder layers, e.g. top_4) or a list of layer "
                                     "indices", layers=ref)
-        elif not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+        elif not isinstance(layers, tuple) or not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
                 or len(set(layers)) != len(layers):
             raise SettingsError("{layers}: give top_L (e.g. top_4) or a non-empty list of distinct layer indices >= 0",
                                 layers=ref)
