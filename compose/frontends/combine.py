@@ -16,8 +16,9 @@ EXPORT [EXPORT ...] [--out DIR]`) takes several such exports and
 3. with `out`, writes the combined export atomically: one manifest with every expert (its weight and spec as
    its export had them), the adapter folders copied, the tokenizer copied, the background copied (or
    referenced, `background="ref"`; a background the first export references stays referenced), `metrics.json`
-   beside them, and under the manifest's `extra`: `task_settings`, `seed`, `combined_from`. A combined export is
-   itself an input of `combine_exports` (an expert trained later joins it).
+   and a model card (`README.md`, outside the checksums) beside them, and under the manifest's `extra`:
+   `task_settings`, `seed`, `combined_from`. A combined export is itself an input of `combine_exports` (an expert
+   trained later joins it).
 
 Task settings. Each export's `extra.task_settings` (the `task:` node of the run; `ExportForComposition`
 records it), or, for exports written before that was recorded, the `task` node of the run's `config.yaml`
@@ -57,6 +58,7 @@ from compose.export import (
     verify_export,
     write_manifest,
 )
+from compose.model_card import write_model_card
 from compose.model_io import load_tokenizer
 from compose.vocab import tokenizer_signature
 from data.tasks import Expert, Task, TaskError, settings_from_node
@@ -389,6 +391,7 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
         run(tmp)
         (tmp / METRICS_NAME).write_text(json.dumps({**result, "out": str(out)}, indent=2) + "\n")
         write_manifest(tmp, manifest["background"], manifest["experts"], manifest["extra"])  # lists metrics.json
+        write_model_card(tmp, metrics={"composition": result["metrics"]}, title=Path(out).name)
 
     atomic_save(write, Path(out), overwrite)
     result["out"] = str(out)

@@ -4,7 +4,8 @@ Every stage writes `logs/<stage>/metrics.csv` (`resume.ResumableCSVLogger`): a r
 report's curves read it. `trainer.logger` adds one of Lightning's own loggers beside it:
 
 * `csv`: nothing more;
-* `tensorboard`: `logs/<stage>/tb/` (`TensorBoardLogger`; `tensorboard --logdir <run>/logs`);
+* `tensorboard`: `logs/<stage>/tb/` (`TensorBoardLogger`, through tensorboard or tensorboardX; `tensorboard
+  --logdir <run>/logs`);
 * `wandb`: `WandbLogger`, project `<experiment>`, run `<run folder>-<stage>`, files under `logs/wandb/`; offline
   (nothing leaves the machine; `wandb sync` uploads later) unless `WANDB_MODE=online` is set;
 * `mlflow`: `MLFlowLogger`, experiment `<experiment>`, run `<run folder>-<stage>`, in `$MLFLOW_TRACKING_URI` or
@@ -37,8 +38,9 @@ def check_logger(name: str) -> None:
     if package == "tensorboard":
         found = found or importlib.util.find_spec("tensorboardX") is not None
     if not found:
+        lighter = " or the lighter tensorboardX" if package == "tensorboard" else ""
         raise ConfigError(f"trainer.logger={name} needs the {package} package, which is not installed: "
-                          f"pip install {package} (or trainer.logger=csv)")
+                          f"pip install {package}{lighter} (or trainer.logger=csv)")
 
 
 def stage_loggers(cfg: DictConfig, out: Path, stage: str) -> list[Logger]:

@@ -30,6 +30,8 @@ FAILURE_ORDER: tuple[str, ...] = ("correct", "rule_not_applied", "wrong_letter_e
 ACCURACY_PLOT = "accuracy_vs_k.png"
 HEATMAP_PLOT = "divergence_heatmap.png"
 LENGTH_PLOT = "accuracy_vs_length.png"
+LM_EVAL_PLOT = "lm_eval_curves.png"
+LM_EVAL_PREFIX = "val/lm_eval/"  # `val/lm_eval/<task>/<metric>/<model>` (`callbacks.DownstreamEvaluation`)
 DIVERGENCE_MAP = "divergence_map.json"
 _KNOWN_COMPOSITION_KEYS = {"exact_match", "k", "n_test", "nll", "projectivity_error", "failures", "overlap",
                            "notes", "gated", "features"}
@@ -587,6 +589,82 @@ def _length_section(length: dict) -> list[str]:
     return lines + _table(header, rows) + [""]
 
 
+def lm_eval_curves(metrics_csv: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The lm-eval scores logged at each validation, from a stage's `metrics.csv`:
+    `{"<task>/<metric>": {model: [(step, value), ...]}}` in step order (`{}` when the file or the columns are
+    missing)."""
+    import csv
+
+    path = Path(metrics_csv)
+    if not path.is_file():
+        return {}
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if not (key or "").startswith(LM_EVAL_PREFIX) or value in (None, "") or not row.get("step"):
+                    continue
+                name, model = key[len(LM_EVAL_PREFIX):].rsplit("/", 1)
+                curves.setdefault(name, {}).setdefault(model, []).append((int(float(row["step"])), float(value)))
+    def order(model: str) -> int:  # background, the experts, the composition
+        return {"background": 0, "composed": 2}.get(model, 1)
+
+    return {name: {model: sorted(per_model[model]) for model in sorted(per_model, key=order)}
+            for name, per_model in curves.items()}
+
+
+def plot_lm_eval_curves(curves: dict, path: str | Path) -> Path | None:
+    """One panel per lm-eval task and metric, one line per model over the validation steps; None without data."""
+    if not curves:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(curves), 1, figsize=(6.0, 2.6 * len(curves)), layout="constrained", squeeze=False)
+    for ax, (name, per_model) in zip(axes[:, 0], curves.items(), strict=True):
+        for model, points in per_model.items():
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=2.2 if model == "composed" else 1.4, label=model)
+        values = [v for points in per_model.values() for _, v in points]
+        if min(values) > 0 and max(values) > 100 * min(values):  # perplexities far apart
+            ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("training step (experts)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    return path
+
+
+def _lm_eval_section(out_dir: Path) -> list[str]:
+    """The lm-eval scores at each validation of the experts stage (`composition.lm_eval`), read from
+    `logs/experts/metrics.csv`: a table per task and metric, and their plot."""
+    curves = lm_eval_curves(out_dir / "logs" / "experts" / "metrics.csv")
+    if not curves:
+        return []
+    lines = ["## Downstream tasks during training (lm-eval)", "",
+             "The lm-eval tasks of `composition.lm_eval`, run at each validation of the experts stage on the "
+             "background, each expert alone and the composition (`val/lm_eval/<task>/<metric>/<model>` in "
+             "`logs/experts/metrics.csv`).", ""]
+    for name, per_model in curves.items():
+        models = list(per_model)
+        steps = sorted({step for points in per_model.values() for step, _ in points})
+        values = {model: dict(points) for model, points in per_model.items()}
+        lines += [f"### {name}", ""]
+        def cell(v: float | None) -> str:
+            return f"{v:.4g}" if v is not None and abs(v) >= 1e5 else _fmt(v)
+
+        lines += _table(["step", *models], [[str(step), *(cell(values[m].get(step)) for m in models)] for step in steps])
+        lines.append("")
+    if plot_lm_eval_curves(curves, out_dir / LM_EVAL_PLOT) is not None:
+        lines += [f"![lm-eval scores over training]({LM_EVAL_PLOT})", ""]
+    return lines
+
+
 def _reproduce_section(summary: dict) -> list[str]:
     command = summary.get("command")
     out = summary.get("output_dir")
@@ -619,7 +697,7 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
     out_dir.mkdir(parents=True, exist_ok=True)
     if divergence_map is None and (out_dir / DIVERGENCE_MAP).is_file():
         divergence_map = json.loads((out_dir / DIVERGENCE_MAP).read_text())
-    for stale in (ACCURACY_PLOT, HEATMAP_PLOT, LENGTH_PLOT):
+    for stale in (ACCURACY_PLOT, HEATMAP_PLOT, LENGTH_PLOT, LM_EVAL_PLOT):
         (out_dir / stale).unlink(missing_ok=True)
     lines = _head_section(summary)
     if "composition" in summary:
@@ -629,6 +707,7 @@ def write_report(summary: dict, out_dir: str | Path, divergence_map: dict | None
     if summary.get("baselines"):
         lines += _baselines_section(summary)
     lines += _plotted_sections(summary, out_dir, divergence_map)
+    lines += _lm_eval_section(out_dir)
     timing = summary.get("timing") or {}
     if timing:
         lines += ["## Timing", ""]

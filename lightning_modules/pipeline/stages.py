@@ -589,7 +589,8 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     if leader:
         atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
         if plan.trained:  # the export's model card (outside its checksums: the export still verifies)
-            write_model_card(plan.out / "export", metrics={k: summary[k] for k in CARD_METRICS if k in summary})
+            write_model_card(plan.out / "export", metrics={k: summary[k] for k in CARD_METRICS if k in summary},
+                             title=cfg.experiment)
         if cfg.report:
             summary["report"] = str(write_report(summary, plan.out))
     return summary
