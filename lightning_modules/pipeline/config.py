@@ -142,6 +142,18 @@ class BackgroundCacheConfig:
 
 
 @dataclass
+class RegSamplesConfig:
+    """`expert.reg_samples`: how the background's continuations of the general prompts are sampled for
+    `expert.reg_data=own+samples` (`pipeline/reg_samples.py`; cached by background checksum, prompts and these
+    settings). `max_new_tokens` null: the task's `max_new_tokens`."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    batch_size: int = 32
+
+
+@dataclass
 class ExpertTrainingConfig:
     """The experts' training. What `ExpertLM` reads has `lightning_modules.expert.ExpertSettings`' defaults (the
     pipeline's builder, `pipeline.build.expert_settings`, maps these keys onto it)."""
@@ -156,8 +168,11 @@ class ExpertTrainingConfig:
     jsd_beta: float = ExpertSettings.jsd_beta
     temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
     # own | background | composition (own rows + composed prefixes: co-training) | own+background |
-    # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert)
+    # random_rules (own rows + prefixes rewritten by random rules drawn per row: knows no other expert) |
+    # own+samples (own rows + the background's sampled continuations of general prompts; text task) |
+    # own+foreign (own and general rows holding random spans in delimiters of a fixed pool; text task)
     reg_data: str = "composition"
+    reg_samples: RegSamplesConfig = field(default_factory=RegSamplesConfig)
     task_loss_on_mask_only: bool = ExpertSettings.task_loss_on_mask_only
     # as background.position_jump, for the experts' training rows (not with background_cache)
     position_jump: int = ExpertSettings.position_jump
@@ -451,6 +466,10 @@ def _int(value: Any) -> bool:
 RANGES: dict[str, tuple[Any, str]] = {
     "seed": (lambda v: _int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
     "data.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "expert.reg_samples.temperature": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "expert.reg_samples.top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "expert.reg_samples.max_new_tokens": (lambda v: v is None or (_int(v) and v >= 1), "null or an integer >= 1"),
+    "expert.reg_samples.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "data.num_workers": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "model.hidden_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "model.num_layers": (lambda v: _int(v) and v >= 1, "an integer >= 1"),

@@ -15,6 +15,7 @@ evaluation leaves the training's random state as it found it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -75,8 +76,10 @@ class LMEvalRunner:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LMEvalRunner:
+        """The runner of `composition.lm_eval` (one per setting in a process: the check before the run and the
+        experts stage share it, so lm-eval indexes its tasks once)."""
         node = cfg.composition.lm_eval
-        return cls(list(node.tasks), node.include_path, node.limit, node.batch_size)
+        return _runner(tuple(node.tasks), node.include_path, node.limit, node.batch_size)
 
     def __call__(self, composed: ComposedLM) -> dict[str, float]:
         from lm_eval import simple_evaluate
@@ -87,6 +90,11 @@ class LMEvalRunner:
                                       bootstrap_iters=0, log_samples=False, random_seed=None, numpy_random_seed=None,
                                       torch_random_seed=None, fewshot_random_seed=FEWSHOT_SEED)
         return agree(lambda: flat_metrics(results["results"]))
+
+
+@functools.lru_cache(maxsize=4)
+def _runner(tasks: tuple[str, ...], include_path: str | None, limit: float | None, batch_size: int) -> LMEvalRunner:
+    return LMEvalRunner(tasks, include_path, limit, batch_size)
 
 
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:

@@ -53,13 +53,18 @@ from lightning_modules.pipeline.models import (
     pretrained_folder,
 )
 from lightning_modules.pipeline.ranks import OUTPUT_DIR_ENV
-from lightning_modules.pipeline.report import write_report
+from lightning_modules.pipeline.reg_samples import draw_background_samples
+from lightning_modules.pipeline.report import with_intervals, write_report
 from lightning_modules.pipeline.resume import (
     AtomicCheckpointIO,
+    Interrupted,
     PausePoints,
+    SaveOnStop,
     check_resume,
+    check_stop,
     last_step,
     seed_stage,
+    stop_on_signals,
 )
 from losses import IGNORE_INDEX, divergence
 
@@ -407,8 +412,10 @@ def expert_module(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
 def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertLM:
     """Train every expert of `cfg.experts` at once; composition is evaluated at each validation."""
     e, c = cfg.expert, cfg.composition
+    draw_background_samples(cfg, plan.task, background_path)  # expert.reg_data=own+samples: its regularizer rows
     dm = build_datamodule(cfg, plan.task, "experts")  # k experts train on k × data.batch_size rows
     dm.dataset("train")
+    cfg = with_logging_interval(cfg, dm, e.max_steps)
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
     print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
@@ -457,7 +464,8 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         console.stage("composition", f"decoding the test split: expert {name} alone")
         alone = task.evaluate_expert(sharded(module.composed_model(tok, names=[name])), name, "test", bs)
         # `skill_accuracy` of an expert is its accuracy inside the composition (below); alone it is this:
-        summary["experts"][name] = {("skill_accuracy_alone" if k == "skill_accuracy" else k): v for k, v in alone.items()}
+        renamed = {"skill_accuracy": "skill_accuracy_alone", "skill_accuracy_n": "skill_accuracy_alone_n"}
+        summary["experts"][name] = {renamed.get(k, k): v for k, v in alone.items()}
     test_set = task.compositional_dataset("test")
     composed = sharded(module.composed_model(tok))
     console.stage("composition", f"decoding {len(test_set)} compositional test rows: {', '.join(plan.in_play)}")
@@ -466,6 +474,8 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         entry = summary["experts"].setdefault(name, {"trained_in": "compose_with"})
         for key in PER_EXPERT_KEYS:
             entry[key] = results.pop(f"{name}/{key}")
+        if f"{name}/skill_accuracy_n" in results:  # the count its interval (report.with_intervals) comes from
+            entry["skill_accuracy_n"] = results.pop(f"{name}/skill_accuracy_n")
     features = {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("features/")}
     summary["composition"] = {
         "exact_match": results.pop("exact_match"),
@@ -587,7 +597,7 @@ def run(cfg: DictConfig, command: str | None = None) -> dict:
     summary["output_dir"] = str(plan.out)
     summary["export"] = str(plan.out / "export") if plan.trained else None
     if leader:
-        atomic_write_text(plan.out / "summary.json", json.dumps(summary, indent=2))
+        atomic_write_text(plan.out / "summary.json", json.dumps(with_intervals(summary), indent=2))
         if plan.trained:  # the export's model card (outside its checksums: the export still verifies)
             write_model_card(plan.out / "export", metrics={k: summary[k] for k in CARD_METRICS if k in summary},
                              title=cfg.experiment)
