@@ -27,10 +27,12 @@ from data.tasks.text import (
     TextConfig,
     TextTask,
     exact_match,
+    interval_texts,
     normalize_whitespace,
     read_examples,
     skill_counts,
 )
+from lightning_modules.pipeline.report import with_intervals
 
 FIXTURES = Path(__file__).parent / "fixtures" / "text"
 CALC = {"start": "<<", "end": ">>"}
@@ -427,11 +429,14 @@ class Oracle:
 
 def test_perfect_model_scores_one(tok, task):
     oracle = Oracle(tok, task)
-    assert task.evaluate_background(oracle, "val", 3) == {"exact_match": 1.0}
-    assert task.evaluate_expert(oracle, "calc", "test", 3) == {"exact_match": 1.0, "skill_accuracy": 1.0}
+    assert task.evaluate_background(oracle, "val", 3) == {"exact_match": 1.0, "n_test": 4}
+    calc = task.evaluate_expert(oracle, "calc", "test", 3)
+    assert calc == {"exact_match": 1.0, "n_test": 4, "skill_accuracy": 1.0, "skill_accuracy_n": calc["skill_accuracy_n"]}
     result = task.evaluate_composition(oracle, task.compositional_dataset("test"), 5)
+    counts = {k: v for k, v in result.items() if k.endswith("_n")}
     assert result == {"exact_match": 1.0, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
-                      "failures/no_eos": 0.0}
+                      "failures/no_eos": 0.0, **counts}
+    assert counts["exact_match_n"] == 12 and counts["calc/skill_accuracy_n"] >= 1
 
 
 def test_one_wrong_skill_is_named(tok, task):
@@ -459,11 +464,22 @@ def test_evaluation_on_a_tiny_composed_llama(tok):
                t.evaluate_composition(composed, t.compositional_dataset("val"), 3)]
     for result in results:
         assert "exact_match" in result
-        rates = {k: v for k, v in result.items() if k not in ("general_perplexity", "off_interval_kl")}
+        rates = {k: v for k, v in result.items()
+                 if k not in ("general_perplexity", "off_interval_kl", "n_test") and not k.endswith("_n")}
         assert all(0.0 <= v <= 1.0 for v in rates.values()), result
         assert result["general_perplexity"] >= 1.0  # a ComposedLM scores: the teacher-forced extras are there
     assert results[0]["exact_match"] >= 0.0 and results[2]["off_interval_kl"] >= 0.0
     assert {"calc/skill_accuracy", "upper/skill_accuracy", "failures/no_eos"} <= set(results[2])
+    # the counts the report's intervals come from: rows decoded, and intervals scored per skill
+    assert results[0]["n_test"] == results[1]["n_test"] == 4 and results[2]["exact_match_n"] == 4
+    for name in ("calc", "upper"):
+        spans = sum(len(interval_texts(y, t.specs[t.expert_names.index(name)]))
+                    for y in t.compositional_dataset("val")["y"])
+        assert results[2][f"{name}/skill_accuracy_n"] == spans > 0
+    assert results[1]["skill_accuracy_n"] == sum(len(interval_texts(enc.example.response, t.specs[0]))
+                                                 for enc in t.own["calc"]["val"])
+    ci = with_intervals({"composition": {"n_test": 4, **results[2]}})["composition"]
+    assert len(ci["calc/skill_accuracy_ci95"]) == 2 and len(ci["exact_match_ci95"]) == 2
 
 
 def test_config_rejects_bad_values():
@@ -521,10 +537,12 @@ def test_gated_composition_leaves_the_off_interval_text_to_the_background(tok):
 def test_cross_eval_scores_every_model_on_every_skill(tok):
     t = make_task(tok, config(cross_eval=True))
     oracle = Oracle(tok, t)  # decodes only: no teacher-forced extras
-    assert t.evaluate_background(oracle, "val", 3) == {
-        "exact_match": 1.0, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
+    result = t.evaluate_background(oracle, "val", 3)
+    assert {k: v for k, v in result.items() if not k.endswith("_n")} == {
+        "exact_match": 1.0, "n_test": 4, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
         "compositional/exact_match": 1.0, "compositional/calc/skill_accuracy": 1.0,
         "compositional/upper/skill_accuracy": 1.0, "compositional/failures/no_eos": 0.0}
+    assert result["compositional/exact_match_n"] == 12 and result["calc/skill_accuracy_n"] >= 4
     lower = Oracle(tok, t, edit=lambda y: re.sub(r"\[(\w+)\]", lambda m: f"[{m[1].lower()}]", y))
     result = t.evaluate_expert(lower, "calc", "test", 3)
     assert result["skill_accuracy"] == 1.0 and result["compositional/calc/skill_accuracy"] == 1.0

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 
 SPLITS = ("train", "val", "test")
 EVAL_SPLITS = ("val", "test")
-REG_DATA_CHOICES = ("own", "background", "composition", "own+background", "random_rules")
+# Regularizer rows that only some tasks make (each task lists the ones it makes in `Task.extra_reg_data`):
+# `own+samples` (the background's own continuations of general prompts) and `own+foreign` (rows holding random
+# spans in delimiters no expert is known by), both free of any other expert's knowledge.
+TASK_REG_DATA = ("own+samples", "own+foreign")
+REG_DATA_CHOICES = ("own", "background", "composition", "own+background", "random_rules", *TASK_REG_DATA)
 
 
 # Column types of task rows (the contract above); expert rows add EXPERT_FEATURES.
@@ -121,6 +125,7 @@ class Task(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type]
+    extra_reg_data: ClassVar[tuple[str, ...]] = ()  # the kinds of TASK_REG_DATA this task makes
 
     def __init__(self, cfg: Any, experts: Sequence[Expert], *, trained: Sequence[str] | None = None,
                  reg_data: str = "own", seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -132,6 +137,9 @@ class Task(ABC):
             raise TaskError(f"trained experts {unknown} are not among the experts in play {self.expert_names}")
         if reg_data not in REG_DATA_CHOICES:
             raise TaskError(f"reg_data={reg_data!r} is not one of {', '.join(REG_DATA_CHOICES)}")
+        if reg_data in TASK_REG_DATA and reg_data not in self.extra_reg_data:
+            raise TaskError(f"expert.reg_data={reg_data} is not made by the {self.name} task (the text task makes "
+                            f"{', '.join(TASK_REG_DATA)})")
         self.reg_data, self.allow_overlap = reg_data, allow_overlap
 
     # --- what the pipeline reads -----------------------------------------------------------------
@@ -205,6 +213,15 @@ class Task(ABC):
         """Decode `model` (background + every expert in play, in order) on compositional rows:
         at least `exact_match` and `<expert>/skill_accuracy` per expert; optionally `failures/<kind>`.
         The pipeline adds the teacher-forced metrics (`compose.evaluation.teacher_forced_metrics`)."""
+
+    def background_sample_prompts(self) -> list[list[int]]:
+        """Prompt ids whose continuations, sampled from the background, `reg_data=own+samples` makes its
+        regularizer rows of (`set_background_samples`); [] for a task that makes no such rows."""
+        return []
+
+    def set_background_samples(self, responses: Sequence[str]) -> None:
+        """The background's continuation of each of `background_sample_prompts()`, in order (decoded text)."""
+        raise TaskError(f"the {self.name} task makes no regularizer rows of background samples")
 
     def standard_experts(self, k: int) -> list[dict]:
         """k disjoint experts as config entries (for the `ablation_ks` sweep); tasks without one raise."""

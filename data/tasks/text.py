@@ -36,6 +36,7 @@ from compose.intervals import IntervalSpec, check_balanced, interval_char_spans,
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
+from data.foreign_spans import insert_foreign_spans
 from data.generation import greedy_decode
 from data.rows import DataFileError, one_line, read_rows
 from data.splits import derive_seed
@@ -81,6 +82,8 @@ class TextConfig:
         max_new_tokens: greedy decoding budget at evaluation; a prediction that has not emitted EOS by then
             counts as wrong.
         limit: at most this many rows per split of each source (each expert, general, compositional).
+        eval_limit: at most this many held-out rows per split (`val`, `test`) of each source; the training rows
+            stay whole (a shorter evaluation of the same training run).
         trust_remote_code: passed to `AutoTokenizer.from_pretrained` (`data.tokenizer.load_tokenizer_folder`).
         cross_eval: also decode the background and each expert alone on the compositional rows of the split
             (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
@@ -99,6 +102,7 @@ class TextConfig:
     max_length: int = 1024
     max_new_tokens: int = 256
     limit: int | None = None
+    eval_limit: int | None = None
     trust_remote_code: bool = False
     cross_eval: bool = False
 
@@ -108,8 +112,9 @@ class TextConfig:
         for key in ("max_length", "max_new_tokens"):
             if getattr(self, key) < 1:
                 raise TaskError(f"task.{key} must be >= 1, got {getattr(self, key)}")
-        if self.limit is not None and self.limit < 1:
-            raise TaskError(f"task.limit must be None or >= 1, got {self.limit}")
+        for key in ("limit", "eval_limit"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise TaskError(f"task.{key} must be None or >= 1, got {getattr(self, key)}")
         for key in ("general", "compositional"):
             value = getattr(self, key)
             if isinstance(value, str):
@@ -314,13 +319,19 @@ class TextTask(Task):
     Splits (all seeded with the run's seed and the source's name, so adding an expert leaves the
     others' splits unchanged): each expert's rows and the general rows lose `task.holdout` rows to
     validation/test (halved); the compositional rows are halved into validation and test.
-    Regularizer rows (`reg_data` `background` or `own+background`): as many general training rows as
-    the expert has training rows (drawn without replacement, cycling if general has fewer), with
-    `is_task=0`, `task_on_mask=0` and the expert's own mask (all zero on rows without its interval).
+    Regularizer rows, as many as the expert has training rows (drawn without replacement, cycling if the pool
+    has fewer), each with the expert's own mask (all zero on rows without its interval), by `reg_data`:
+    `background`/`own+background`: general training rows (`is_task=0`, `task_on_mask=0`); `own+samples`: the
+    general training prompts with the background's own sampled continuations as responses (drawn and cached by
+    the pipeline, `set_background_samples`; samples holding the expert's own delimiters are left out);
+    `own+foreign`: general and own training rows in turn, each with one or two random foreign spans
+    (`data.foreign_spans`; own rows keep `task_on_mask=1`, so the skill is learnt beside a foreign span too).
+    None of them holds anything of another expert: an expert trained alone on them has never met the others.
     `reg_data=composition` needs co-training on composed rows, which this task does not make.
     """
 
     config_class = TextConfig
+    extra_reg_data = ("own+samples", "own+foreign")
 
     def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
                  **kwargs: Any) -> None:
@@ -340,6 +351,7 @@ class TextTask(Task):
         self.pad = self.eos if pad is None else int(pad)
         self.specs = [_parse_spec(i, e) for i, e in enumerate(self.experts)]
         self._datasets: dict[tuple[str, str], datasets.Dataset] = {}
+        self._samples: list[Encoded] | None = None  # own+samples: the background's continuations
         self._load_and_check()
 
     # --- construction ------------------------------------------------------------------------------
@@ -422,6 +434,8 @@ class TextTask(Task):
         for split, idx in parts.items():
             if self.cfg.limit is not None:
                 idx = idx[: self.cfg.limit]
+            if split != "train" and self.cfg.eval_limit is not None:
+                idx = idx[: self.cfg.eval_limit]
             encoded = encode_examples(self._tokenizer, [examples[i] for i in idx])
             kept = [enc for enc in encoded if len(enc) <= self.cfg.max_length]
             if len(kept) < len(encoded):
@@ -503,14 +517,58 @@ class TextTask(Task):
             rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=1, task_on_mask=1) for enc in own]
             if split == "train" and self.reg_data in ("background", "own+background"):
                 rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=0)
-                         for enc in self._regularizer_examples(name, len(own))]
+                         for enc in self._regularizer_examples(name, len(own), self.general["train"])]
+            elif split == "train" and self.reg_data == "own+samples":
+                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=0)
+                         for enc in self._regularizer_examples(name, len(own), self._sampled_pool(name, spec))]
+            elif split == "train" and self.reg_data == "own+foreign":
+                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=int(from_own))
+                         for enc, from_own in self._foreign_examples(name, spec, len(own))]
         return rows
 
-    def _regularizer_examples(self, name: str, n: int) -> list[Encoded]:
-        pool = self.general["train"]
+    def _regularizer_examples(self, name: str, n: int, pool: Sequence[Encoded]) -> list[Encoded]:
+        if not pool:
+            raise TaskError(f"expert {name!r}: no regularizer row to draw from (reg_data={self.reg_data})")
         order = list(range(len(pool)))
         _shuffle(order, derive_seed(self.seed, "text", "regularizer", name))
         return [pool[order[i % len(order)]] for i in range(n)]
+
+    def background_sample_prompts(self) -> list[list[int]]:
+        """The general training rows' prompt ids (`reg_data=own+samples` regularizes on their continuations)."""
+        return [enc.prompt_ids for enc in self.general["train"]] if self.reg_data == "own+samples" else []
+
+    def set_background_samples(self, responses: Sequence[str]) -> None:
+        """The background's sampled continuation of each general training prompt, in order."""
+        rows = self.general["train"]
+        if len(responses) != len(rows):
+            raise TaskError(f"{len(responses)} background samples for {len(rows)} general training prompts")
+        examples = [Example(enc.example.prompt, text, f"{enc.example.where} (background sample)")
+                    for enc, text in zip(rows, responses, strict=True)]
+        self._samples = [enc for enc in encode_examples(self._tokenizer, examples) if len(enc) <= self.cfg.max_length]
+        self._datasets.pop(("experts", "train"), None)
+
+    def _sampled_pool(self, name: str, spec: IntervalSpec) -> list[Encoded]:
+        """The background samples that hold none of the expert's own delimiters."""
+        if self._samples is None:
+            raise TaskError("expert.reg_data=own+samples: the background's samples are not drawn yet "
+                            "(lightning_modules.pipeline.reg_samples.draw_background_samples)")
+        return [enc for enc in self._samples if not _holds_delimiter(enc.example.response, spec)]
+
+    def _foreign_examples(self, name: str, spec: IntervalSpec, n: int) -> list[tuple[Encoded, bool]]:
+        """`n` rows with random foreign spans (`data.foreign_spans`), from general and own training rows in turn
+        (seeded by the run's seed and the expert's name); `(row, from its own rows)`."""
+        rng = random.Random(derive_seed(self.seed, "text", "foreign", name))
+        general = self._regularizer_examples(name, (n + 1) // 2, self.general["train"])
+        own = self._regularizer_examples(name, n // 2, self.own[name]["train"])
+        sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
+        examples = []
+        for enc, _ in sources:
+            prompt, response = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
+                                                    n_spans=rng.randint(1, 2))
+            examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)"))
+        encoded = encode_examples(self._tokenizer, examples)
+        return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
+                if len(enc) <= self.cfg.max_length]
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
         check_split(split, EVAL_SPLITS)
@@ -540,7 +598,8 @@ class TextTask(Task):
         check_split(split, EVAL_SPLITS)
         rows = self.general[split]
         preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
-        results = {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended)}
+        results = {"exact_match": exact_match(preds, [enc.example.response for enc in rows], ended),
+                   "n_test": len(rows)}
         if self.cfg.cross_eval:
             for name, spec in zip(self.expert_names, self.specs, strict=True):
                 if name in self.own:
@@ -549,6 +608,7 @@ class TextTask(Task):
                     correct, total = skill_counts(preds, [enc.example.response for enc in own], spec)
                     if total:
                         results[f"{name}/skill_accuracy"] = correct / total
+                        results[f"{name}/skill_accuracy_n"] = total
         return results | self._model_extras(model, split, batch_size)
 
     def evaluate_expert(self, model, name: str, split: str, batch_size: int) -> dict[str, float]:
@@ -560,10 +620,10 @@ class TextTask(Task):
         rows = self.own[name][split]
         refs = [enc.example.response for enc in rows]
         preds, ended = self.greedy_outputs(model, [enc.prompt_ids for enc in rows], batch_size)
-        results = {"exact_match": exact_match(preds, refs, ended)}
+        results = {"exact_match": exact_match(preds, refs, ended), "n_test": len(rows)}
         correct, total = skill_counts(preds, refs, self.specs[self.expert_names.index(name)])
         if total:
-            results["skill_accuracy"] = correct / total
+            results["skill_accuracy"], results["skill_accuracy_n"] = correct / total, total
         return results | self._model_extras(model, split, batch_size)
 
     def _model_extras(self, model, split: str, batch_size: int) -> dict[str, float]:
@@ -589,11 +649,12 @@ class TextTask(Task):
                               split: str | None) -> dict[str, float]:
         refs = list(dataset["y"])
         preds, ended = self._decode_rows(model, dataset["input_ids"], dataset["output_start"], batch_size)
-        results = {"exact_match": exact_match(preds, refs, ended)}
+        results = {"exact_match": exact_match(preds, refs, ended), "exact_match_n": len(refs)}
         for name, spec in zip(self.expert_names, self.specs, strict=True):
             correct, total = skill_counts(preds, refs, spec)
             if total:
                 results[f"{name}/skill_accuracy"] = correct / total
+                results[f"{name}/skill_accuracy_n"] = total
         results["failures/no_eos"] = 1.0 - sum(ended) / len(ended) if ended else 0.0
         if _scores(model):
             results["off_interval_kl"] = self.off_interval_kl(model, dataset, batch_size)
@@ -684,6 +745,18 @@ def _check_row_balanced(ex: Example, spec: IntervalSpec, name: str) -> None:
         check_balanced(ex.response, spec)
     except ValueError as err:
         raise TaskError(f"{ex.where}: response does not balance expert {name!r}'s interval: {err}") from None
+
+
+def _holds_delimiter(text: str, spec: IntervalSpec) -> bool:
+    if spec.regex:
+        return any(re.search(p, text) for p in (spec.start, spec.end))
+    return spec.start in text or spec.end in text
+
+
+def _interleave(a: Sequence[Encoded], b: Sequence[Encoded]) -> list[Encoded]:
+    """a[0], b[0], a[1], b[1], ... (the rest of the longer one at the end)."""
+    out = [x for pair in zip(a, b, strict=False) for x in pair]
+    return out + list(a[len(b):]) + list(b[len(a):])
 
 
 def _shuffle(items: list[int], seed: int) -> None:

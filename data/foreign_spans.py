@@ -1,0 +1,102 @@
+"""Random foreign spans: text like another skill's interval, drawn without knowing any other skill.
+
+An expert trained alone never sees the spans other experts write, yet in a composition its prefix holds them
+(`Tom sold <<47+8=55>> cups and said [GOOD NIGHT].`). Its regularizer rows can hold stand-ins: spans whose
+delimiters come from a fixed pool of bracket-like pairs (minus any pair that shares a character with the
+expert's own delimiters, so its own interval never opens or closes by accident) and whose contents are random
+words, digits or letters. The pool and the draws are the same whichever experts exist, so rows built with
+them carry no knowledge of any other expert (`expert.reg_data: own+foreign`, `data.tasks.text`).
+
+A span goes in at a word boundary of the response outside the expert's own intervals; where the text before
+that boundary also occurs in the prompt (the chat rows echo their sentence), the span goes in there too, with
+the contents either kept or redrawn in the response (a foreign skill that copies or rewrites its span).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from compose.intervals import IntervalSpec, interval_char_spans
+
+# Bracket-like delimiter pairs found in text and markup; fixed, whatever experts are in play.
+DELIMITER_POOL: tuple[tuple[str, str], ...] = (
+    ("(", ")"), ("[", "]"), ("{", "}"), ("<", ">"), ("<<", ">>"), ("[[", "]]"), ("{{", "}}"), ("((", "))"),
+    ("«", "»"), ("‹", "›"), ("⟨", "⟩"), ("【", "】"), ("「", "」"), ("<|", "|>"), ("|", "|"), ("*", "*"),
+    ("**", "**"), ("_", "_"), ("`", "`"), ("~", "~"), ("^", "^"), ("#", "#"), ("%", "%"), ("$", "$"),
+    ('"', '"'), ("'", "'"), ("/", "/"), ("\\", "\\"), ("=", "="), ("@", "@"),
+)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def delimiter_pool(own: IntervalSpec) -> list[tuple[str, str]]:
+    """The pairs of `DELIMITER_POOL` that share no character with `own`'s delimiters (for a regex spec: that
+    its start and end patterns match nowhere in them)."""
+    if own.regex:
+        import re
+
+        return [(a, b) for a, b in DELIMITER_POOL
+                if not any(re.search(p, a + " " + b) for p in (own.start, own.end))]
+    used = set(own.start) | set(own.end)
+    return [(a, b) for a, b in DELIMITER_POOL if not (set(a) | set(b)) & used]
+
+
+def random_content(rng: random.Random) -> str:
+    """One to three random words: lowercase or uppercase letters, digits, or a small sum."""
+    kind = rng.randrange(4)
+    if kind == 3:
+        return f"{rng.randrange(100)}{rng.choice('+-*/=')}{rng.randrange(100)}"
+    words = []
+    for _ in range(rng.randint(1, 3)):
+        n = rng.randint(1, 7)
+        word = "".join(rng.choice("0123456789") for _ in range(n)) if kind == 2 else \
+            "".join(rng.choice(_LETTERS) for _ in range(n))
+        words.append(word.upper() if kind == 1 else word)
+    return " ".join(words)
+
+
+def _boundaries(text: str, own: IntervalSpec) -> list[int]:
+    """Indices of the spaces of `text` that lie outside every interval of `own` (delimiters included)."""
+    spans = interval_char_spans(text, own)
+    starts = [a - _start_length(text, a, own) for a, _ in spans]
+    return [i for i, ch in enumerate(text) if ch == " "
+            and not any(s <= i < b for s, (_, b) in zip(starts, spans, strict=True))]
+
+
+def _start_length(text: str, a: int, own: IntervalSpec) -> int:
+    """Characters of the start delimiter that ends at `a` (its literal length; a regex start: back to the
+    previous space)."""
+    if not own.regex:
+        return len(own.start)
+    space = text.rfind(" ", 0, a)
+    return a - (space + 1)
+
+
+def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, int]]:
+    return [(a + by * (a > at), b + by * (b > at)) for a, b in spans]
+
+
+def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: random.Random,
+                         n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None) -> tuple[str, str]:
+    """`(prompt, response)` with up to `n_spans` random foreign spans inserted (fewer when the response has
+    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`."""
+    pairs = list(pool) if pool is not None else delimiter_pool(own)
+    if not pairs:
+        raise ValueError(f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
+    for _ in range(n_spans):
+        spaces = _boundaries(response, own)
+        if not spaces:
+            break
+        at = rng.choice(spaces)
+        start, end = rng.choice(pairs)
+        content = random_content(rng)
+        written = content if rng.random() < 0.5 else random_content(rng)
+        before = response[:at]
+        new_response = f"{before} {start}{written}{end}{response[at:]}"
+        if interval_char_spans(new_response, own) != _shifted(interval_char_spans(response, own), at,
+                                                              len(new_response) - len(response)):
+            continue  # the span would have touched the expert's own intervals (a regex delimiter matched it)
+        if before and before in prompt:  # the echoed sentence in the prompt gets the span where it stands
+            prompt = prompt.replace(before + " ", f"{before} {start}{content}{end} ")
+        response = new_response
+    return prompt, response

@@ -1,0 +1,175 @@
+"""Regularizer rows that carry no knowledge of another expert (`expert.reg_data` own+foreign, own+samples):
+random foreign spans (`data.foreign_spans`), the background's own samples and their cache
+(`lightning_modules.pipeline.reg_samples`), on the text task's fixture rows and a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from omegaconf import OmegaConf
+
+from compose.intervals import IntervalSpec, interval_char_spans
+from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans
+from data.tasks import Expert, TaskError, task_class
+from lightning_modules.pipeline import reg_samples
+from lightning_modules.pipeline.config import ConfigError, load_config
+from tests.test_text_task import CALC, UPPER, check_layout, config, experts, fixture, make_task, tiny_llama
+
+CALC_SPEC, UPPER_SPEC = IntervalSpec.from_dict(CALC), IntervalSpec.from_dict(UPPER)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tests.test_text_task import build_tokenizer
+
+    return build_tokenizer()
+
+
+def spans_of_pool(text: str) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in DELIMITER_POOL if a in text and b in text[text.index(a) + len(a):]]
+
+
+# --- foreign spans ------------------------------------------------------------------------------------
+def test_pool_leaves_out_every_pair_that_shares_a_character_with_the_own_delimiters():
+    pool = delimiter_pool(UPPER_SPEC)
+    assert ("[", "]") not in pool and ("[[", "]]") not in pool and ("<<", ">>") in pool
+    assert all(not ({*a, *b} & {"[", "]"}) for a, b in pool)
+    assert ("<", ">") not in delimiter_pool(CALC_SPEC) and ("[", "]") in delimiter_pool(CALC_SPEC)
+
+
+def test_spans_go_outside_the_own_intervals_and_into_the_echoed_prompt():
+    rng = random.Random(0)
+    response = "Tom sold <<47+8=55>> cups to Ben today."
+    prompt = "Repeat: Tom sold <<47+8=>> cups to Ben today.\n"
+    for _ in range(200):
+        p, r = insert_foreign_spans(prompt, response, CALC_SPEC, rng, n_spans=2)
+        assert [r[a:b] for a, b in interval_char_spans(r, CALC_SPEC)] == ["47+8=55>>"]  # own span untouched
+        assert r != response and "<" not in r.replace("<<47+8=55>>", "")  # no pair with the own characters
+        assert len(r.split()) > len(response.split())
+        if r.startswith("Tom ") and not r.startswith("Tom sold <<"):  # inserted right after "Tom"
+            assert p.startswith("Repeat: Tom ") and p != prompt  # the prompt's copy got it too
+
+
+def test_no_boundary_outside_the_own_interval_leaves_the_text():
+    assert insert_foreign_spans("x", "[a b c]", UPPER_SPEC, random.Random(0)) == ("x", "[a b c]")
+
+
+# --- own+foreign rows ---------------------------------------------------------------------------------
+def test_foreign_rows_are_built_from_own_and_general_rows_with_foreign_spans(tok):
+    t = make_task(tok, reg_data="own+foreign")
+    rows = t.expert_dataset("train")
+    general = {r["y"] for r in t.background_dataset("train")}
+    for j, spec in enumerate((CALC_SPEC, UPPER_SPEC)):
+        own = [r for r in rows if r["expert_index"] == j and r["is_task"] == 1]
+        reg = [r for r in rows if r["expert_index"] == j and r["is_task"] == 0]
+        assert len(reg) == len(own) == 32
+        from_own = [r for r in reg if r["task_on_mask"] == 1]
+        assert len(from_own) == 16
+        for row in reg:
+            check_layout(tok, row)
+            assert row["y"] not in general and spans_of_pool(row["y"])  # every row holds a foreign span
+            own_delims = spec.start in row["y"] or spec.end in row["y"]
+            assert own_delims == (row["task_on_mask"] == 1) == any(row["masks"][0])
+        for row in from_own:  # the skill's own spans, unchanged, and its mask on exactly them
+            assert len(interval_char_spans(row["y"], spec)) >= 1
+
+
+def test_an_experts_rows_do_not_depend_on_the_other_experts(tok):
+    """Never met: calc's rows are the same whatever the other expert is, or with no other expert at all."""
+    def calc_rows(exps):
+        rows = make_task(tok, exps=exps, trained=["calc"], reg_data="own+foreign").expert_dataset("train")
+        return [(r["y"], r["x"], r["masks"]) for r in rows]
+
+    alone = calc_rows(experts()[:1])
+    calc, upper = experts()
+    assert calc_rows([calc, upper]) == alone
+    assert calc_rows([Expert("shout", upper.spec, data=upper.data), calc]) == alone
+
+
+def test_foreign_rows_are_seeded(tok):
+    a, b = (make_task(tok, reg_data="own+foreign").expert_dataset("train")["y"] for _ in range(2))
+    assert a == b
+    assert make_task(tok, reg_data="own+foreign", seed=1).expert_dataset("train")["y"] != a
+
+
+def test_other_tasks_refuse_the_text_recipes():
+    letters = task_class("letters")
+    with pytest.raises(TaskError, match="own\\+foreign is not made by the letters task"):
+        letters(letters.config_class(), [Expert("A_to_B", {"rules": {"A": "B"}})], reg_data="own+foreign")
+
+
+def test_config_accepts_the_recipes_and_checks_the_sampling_settings():
+    cfg = load_config([], ["expert.reg_data=own+samples", "expert.reg_samples.temperature=0.7"])
+    assert cfg.expert.reg_samples.temperature == 0.7
+    with pytest.raises(ConfigError, match="expert.reg_samples.top_p"):
+        load_config([], ["expert.reg_samples.top_p=0"])
+
+
+# --- own+samples rows and their cache -----------------------------------------------------------------
+def test_sample_rows_use_the_given_continuations_and_leave_out_own_delimiters(tok):
+    t = make_task(tok, reg_data="own+samples")
+    prompts = t.background_sample_prompts()
+    assert prompts == [enc.prompt_ids for enc in t.general["train"]]
+    with pytest.raises(TaskError, match="samples are not drawn yet"):
+        t.expert_dataset("train")
+    texts = [f"sample {i} [loud]" if i % 2 else f"sample {i}" for i in range(len(prompts))]
+    t.set_background_samples(texts)
+    rows = t.expert_dataset("train")
+    for j, name in enumerate(("calc", "upper")):
+        reg = [r for r in rows if r["expert_index"] == j and r["is_task"] == 0]
+        assert len(reg) == 32 and {r["task_on_mask"] for r in reg} == {0}
+        for row in reg:
+            check_layout(tok, row)
+            assert row["y"] in texts and not any(row["masks"][0])
+        assert any("[" in r["y"] for r in reg) == (name == "calc")  # upper's own delimiter: left out of its rows
+    assert make_task(tok, reg_data="own+background").background_sample_prompts() == []
+
+
+def sampling_config(**samples) -> OmegaConf:
+    return OmegaConf.create({"seed": 0, "task": {"max_new_tokens": 4},
+                             "expert": {"reg_samples": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": None,
+                                                        "batch_size": 16, **samples}}})
+
+
+def test_samples_are_drawn_once_and_read_from_the_cache(tok, tmp_path, monkeypatch):
+    background = tmp_path / "background"
+    tiny_llama(len(tok), 0).save_pretrained(background, safe_serialization=True)
+    root = tmp_path / "cache"
+    t = make_task(tok, config(limit=6), reg_data="own+samples")
+    path = reg_samples.draw_background_samples(sampling_config(), t, background, root)
+    assert path.parent == root / reg_samples.SAMPLES_DIR and path.is_file()
+    drawn = json.loads(path.read_text())["responses"]
+    assert len(drawn) == len(t.background_sample_prompts()) == 6
+    assert {r["y"] for r in t.expert_dataset("train") if r["is_task"] == 0} <= set(drawn)
+    stamp = path.stat().st_mtime_ns
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(reg_samples, "sample_continuations", no_sampling)
+    again = make_task(tok, config(limit=6), reg_data="own+samples")
+    assert reg_samples.draw_background_samples(sampling_config(), again, background, root) == path
+    assert path.stat().st_mtime_ns == stamp and list(path.parent.iterdir()) == [path]
+    assert again.expert_dataset("train")["y"] == t.expert_dataset("train")["y"]
+    # another sampling setting or another background is another file
+    with pytest.raises(AssertionError, match="sampled again"):
+        reg_samples.draw_background_samples(sampling_config(temperature=0.5), again, background, root)
+    other = tmp_path / "other"
+    tiny_llama(len(tok), 1).save_pretrained(other, safe_serialization=True)
+    assert reg_samples.samples_path(reg_samples.background_checksums(other), again.background_sample_prompts(),
+                                    json.loads(path.read_text())["settings"], root) != path
+
+
+def test_a_task_without_sample_rows_draws_nothing(tok, tmp_path):
+    t = make_task(tok, reg_data="own+background")
+    assert reg_samples.draw_background_samples(sampling_config(), t, tmp_path, tmp_path) is None
+    assert not any(tmp_path.iterdir())
+
+
+def test_eval_limit_shortens_held_out_rows_only(tok):
+    full, short = make_task(tok), make_task(tok, config(eval_limit=3))
+    assert len(short.compositional_dataset("test")) == 3 and len(short.background_dataset("val")) == 3
+    assert short.expert_dataset("train")["y"] == full.expert_dataset("train")["y"]
+    assert fixture("general.jsonl") in short.cfg.general
