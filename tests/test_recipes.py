@@ -173,3 +173,22 @@ def test_eval_limit_shortens_held_out_rows_only(tok):
     assert len(short.compositional_dataset("test")) == 3 and len(short.background_dataset("val")) == 3
     assert short.expert_dataset("train")["y"] == full.expert_dataset("train")["y"]
     assert fixture("general.jsonl") in short.cfg.general
+
+
+def test_region_divergence_splits_positions_by_whose_interval_they_lie_in(tok):
+    from compose import ComposedLM
+    from scripts.interval_divergence import region_divergence
+
+    t = make_task(tok, config(limit=4))
+    rows = t.compositional_dataset("test")
+    background = tiny_llama(len(tok), 0)
+    composed = ComposedLM(background, [tiny_llama(len(tok), 0), tiny_llama(len(tok), 1)], names=["calc", "upper"],
+                          tokenizer=tok)
+    result = region_divergence(composed, rows, t.collator(), batch_size=3)
+    valid = sum(sum(v != -100 for v in r) for r in rows["targets"])
+    for name, j in (("calc", 0), ("upper", 1)):
+        r = result[name]
+        assert r["own_n"] + r["other_n"] + r["none_n"] == valid
+        assert r["own_n"] == sum(sum(m[j]) for m in rows["masks"]) > 0 and r["other_n"] > 0
+    assert result["calc"]["other"] == pytest.approx(0.0, abs=1e-6)  # the background's copy: 0 everywhere
+    assert min(result["upper"][k] for k in ("own", "other", "none")) > 1e-4

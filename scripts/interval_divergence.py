@@ -1,0 +1,102 @@
+"""How far each expert of a composition moves off the background, by region of the compositional test rows.
+
+    python scripts/interval_divergence.py EXPORT [EXPORT ...] [--limit 48] [--test_setting eval_limit=48] \
+        [--out FILE.json]
+
+For each expert i, the mean KL(p_b ‖ p_i) (teacher-forced on the reference) at the target positions of the
+compositional test rows that lie in its own interval (`own`), in another expert's interval (`other`), and in no
+interval (`none`), with the position counts. An expert trained alone that is composable keeps `other` as small
+as `none`: inside another expert's interval its factor p_i / p_b should be 1. The exports are combined as
+`python -m compose.combine` combines them (`compose.frontends.combine.check_exports`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REGIONS = ("own", "other", "none")
+
+
+@torch.no_grad()
+def region_divergence(composed, dataset, collate, batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """`{expert: {own, other, none, own_n, other_n, none_n}}`: mean KL(p_b ‖ p_i) per region and its positions."""
+    from losses import IGNORE_INDEX, divergence
+
+    k = len(composed.names)
+    sums = torch.zeros(k, len(REGIONS), dtype=torch.float64)
+    counts = torch.zeros(k, len(REGIONS), dtype=torch.long)
+    rows = [dataset[i] for i in range(len(dataset))]
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start:start + batch_size])
+        lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
+        kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl").double()  # [k, B, T]
+        valid = batch["targets"] != IGNORE_INDEX
+        masks = batch["masks"].bool().transpose(0, 1) & valid  # [k, B, T]
+        anywhere = masks.any(0)
+        for i in range(k):
+            other = anywhere & ~masks[i]
+            for r, region in enumerate((masks[i], other, valid & ~anywhere)):
+                sums[i, r] += kl[i][region].sum()
+                counts[i, r] += int(region.sum())
+    out = {}
+    for i, name in enumerate(composed.names):
+        out[name] = {region: float(sums[i, r] / counts[i, r]) if counts[i, r] else float("nan")
+                     for r, region in enumerate(REGIONS)}
+        out[name] |= {f"{region}_n": int(counts[i, r]) for r, region in enumerate(REGIONS)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("exports", nargs="+", help="export folders, in composition order")
+    parser.add_argument("--limit", type=int, default=None, help="the first N compositional test rows only")
+    parser.add_argument("--test_setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="a task setting changed for the test split (YAML value; repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
+    args = parser.parse_args(argv)
+
+    from compose.frontends.combine import CombineError, assemble, check_exports, load_composed
+
+    settings = {}
+    for item in args.test_setting:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--test_setting {item!r}: expected KEY=VALUE")
+        settings[key] = yaml.safe_load(value)
+    try:
+        combination = check_exports(args.exports, test_settings=settings)
+    except CombineError as err:
+        raise SystemExit(f"interval_divergence: {err}") from None
+    dataset = combination.task.compositional_dataset("test")
+    if args.limit is not None and args.limit < len(dataset):
+        dataset = dataset.select(range(args.limit))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="interval-divergence-") as scratch:
+        folder = Path(scratch) / "export"
+        assemble(combination, folder, background="ref")
+        composed = load_composed(folder)
+        result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset),
+                  "experts": region_divergence(composed, dataset, combination.task.collator())}
+    for name, r in result["experts"].items():
+        print(f"{name}: KL(p_b||p_i) own {r['own']:.4f} (n={r['own_n']}), inside another expert's interval "
+              f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
