@@ -1,4 +1,4 @@
-"""Factorizability in feature space (METHOD.md §2): how a composition behaves on the marginals of a token
+"""Factorizability in feature space (docs/method.md, when the rule is exact): how a composition behaves on the marginals of a token
 bijection ``D: V → F_1 × … × F_n`` (`losses.features.FeatureMap`).
 
 `feature_metrics` scores a composed model teacher-forced on compositional rows, per feature: each expert's

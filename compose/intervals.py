@@ -25,7 +25,7 @@ Token masks (training) and detectors (decoding) are derived from it and agree ex
   interval open. A token that straddles the start boundary (begins before the start delimiter is
   complete) belongs to the background; one that straddles the end boundary (begins inside) belongs to
   the expert: the start delimiter is excluded, the end delimiter included. Whether a position is in the
-  mask is decidable from the prefix alone: the interval bounds are stopping times (METHOD.md §2).
+  mask is decidable from the prefix alone: the interval bounds are stopping times (docs/method.md, when the rule is exact).
 * :class:`StoppingTimeDetector`: from generated token ids alone, incrementally, whether the interval is
   open for the NEXT token. Fed a response's tokens one by one, its ``is_open()`` before each token equals
   :func:`token_interval_mask` of that response.

@@ -2,7 +2,7 @@
 
 Task arithmetic `θ_b + Σ_i w_i (θ_i − θ_b)` is exact for LoRA with peft's `cat` combination (the sum of
 the low-rank deltas); TIES and DARE use peft's SVD variants of the same delta sum. In the linear setting
-(only the output layer differs, METHOD.md §2) task arithmetic equals the composition up to a per-position
+(only the output layer differs, docs/method.md, when the rule is exact) task arithmetic equals the composition up to a per-position
 constant; elsewhere the gap between the two is measurable (see `max_logprob_gap`).
 """
 

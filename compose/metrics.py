@@ -107,7 +107,7 @@ class ActiveSetPrecisionRecall(Metric):
 
 
 class ActiveSetOverlap(Metric):
-    """Pairwise intersection-over-union of the experts' active sets (METHOD.md §2, combined factorizability).
+    """Pairwise intersection-over-union of the experts' active sets (docs/method.md, when the rule is exact, combined factorizability).
 
     ``update(experts_logits [k, B, T, V], background_logits [B, T, V], targets [B, T])``: expert
     ``i`` is active at a target position when its divergence from the background exceeds
@@ -240,7 +240,7 @@ class SequenceNLL(Metric):
 
 
 class ProjectivityError(Metric):
-    """How far the composition is from projective (METHOD.md §2).
+    """How far the composition is from projective (docs/method.md, when the rule is exact).
 
     At a target position held by expert ``i``'s mask the projective composition equals ``p_i``;
     outside all masks it equals ``p_b``. ``update(composed_logprobs [B, T, V],

@@ -1,4 +1,4 @@
-"""The composition rule of METHOD.md §1, as one pure tensor function."""
+"""The composition rule of docs/method.md, the composition rule, as one pure tensor function."""
 
 from __future__ import annotations
 

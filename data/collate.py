@@ -1,4 +1,4 @@
-"""Batching task rows: padding, and prefix corruption (METHOD.md §5). No Lightning here."""
+"""Batching task rows: padding, and prefix corruption (docs/method.md, prefixes the composition writes). No Lightning here."""
 
 from __future__ import annotations
 

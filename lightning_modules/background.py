@@ -36,7 +36,7 @@ class BackgroundLM(pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
-        if position_ids is None:  # the model's own (`compose.common.model_position_ids`)
+        if position_ids is None:  # the model's own (`compose.positions.model_position_ids`)
             position_ids = model_position_ids(self.model, input_ids, attention_mask)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
@@ -61,7 +61,7 @@ class BackgroundLM(pl.LightningModule):
 
 
 def training_position_ids(model: torch.nn.Module, batch: dict[str, Tensor], max_jump: int) -> Tensor | None:
-    """Position ids of a training batch: the model's own (`compose.common.model_position_ids`; None: its default),
+    """Position ids of a training batch: the model's own (`compose.positions.model_position_ids`; None: its default),
     randomized when `max_jump > 0`.
 
     Plain positions jump by a random `d` in `[0, max_jump]` from the separator on (`jumped_position_ids`): the
@@ -85,7 +85,7 @@ def coupled_position_ids(output_start: Tensor, width: int, max_jump: int,
     """Coupled position ids `[B, width]` of rows `<bos> x <sep> y ...` (right-padded) with random slots: per row,
     `L + 1` sorted distinct slots `s_1 < ... < s_{L+1}` drawn from `[1, L + 1 + max_jump]` (`L = len(x)`); `<bos>` at
     0, `x_t` at `2 s_t`, the separator and `y_j` (the steps that predict `y_{j+1}`) at `2 s_{j+1} - 1`, and the tokens
-    after `y_L` 2 apart from there. `max_jump = 0` gives `compose.common.position_ids` (`s_t = t`).
+    after `y_L` 2 apart from there. `max_jump = 0` gives `compose.positions.position_ids` (`s_t = t`).
 
     Args:
         output_start: `[B]` index of each row's first output token (`L = output_start - 2`).

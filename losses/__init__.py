@@ -1,4 +1,4 @@
-"""Task losses and the off-mask regularizers (METHOD.md §4). No Lightning here."""
+"""Task losses and the off-mask regularizers (docs/method.md, the regularizer). No Lightning here."""
 
 from losses.divergences import (
     DIVERGENCES,

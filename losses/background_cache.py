@@ -1,4 +1,4 @@
-"""A compact cache of the background's next-token distributions for the off-mask regularizer (METHOD.md §4).
+"""A compact cache of the background's next-token distributions for the off-mask regularizer (docs/method.md, the regularizer).
 
 The background is frozen, so its distribution at a position depends only on the (corrupted) prefix. A cache entry
 keeps, per position, the background's ``k`` most likely tokens and their logits, plus the log of the mass of

@@ -109,7 +109,7 @@ def divergence(
       ``H(β) = −β log β − (1 − β) log(1 − β)`` (``log 2`` at ``β = 0.5``, where it is symmetric).
     - ``"log_ratio"``: ``mean_v (r − mean_v r)²`` with ``r = lp_i − lp_b``, the variance over the
       vocabulary of the log-ratio. Unlike KL it weighs every token alike, so it also controls the
-      tail log-ratios that add up inside a composition (METHOD.md §5). It is invariant to adding a
+      tail log-ratios that add up inside a composition (docs/method.md, prefixes the composition writes). It is invariant to adding a
       per-position constant to either side's logits. Log-probs are floored at ``LOG_RATIO_FLOOR``
       (as ``compose_logprobs`` does), so a zero-probability token gives a finite value.
 

@@ -1,4 +1,4 @@
-"""Feature space (METHOD.md §2): a token bijection ``D: V → F_1 × … × F_n``, the feature marginals of a
+"""Feature space (docs/method.md, when the rule is exact): a token bijection ``D: V → F_1 × … × F_n``, the feature marginals of a
 next-token distribution, and the per-feature regularizer.
 
 A :class:`FeatureMap` holds ``D`` as a grid of token ids: ``grid[f_1, …, f_n]`` is the token whose features

@@ -1,4 +1,4 @@
-"""The task loss and the off-mask regularizer of METHOD.md §4.
+"""The task loss and the off-mask regularizer of docs/method.md, the regularizer.
 
 Conventions: logits ``[B, T, V]`` are already aligned with ``targets [B, T]`` (``logits[:, t]`` is
 scored against ``targets[:, t]``); ``targets == -100`` marks a position that is not a target
@@ -68,7 +68,7 @@ def off_mask_divergence(
     temperature: float = 1.0,
     row_weight: Tensor | None = None,
 ) -> Tensor:
-    """The regularizer of METHOD.md §4: ``mean_{t ∉ M_i} D(p_i(·|t), p_b(·|t))``.
+    """The regularizer of docs/method.md, the regularizer: ``mean_{t ∉ M_i} D(p_i(·|t), p_b(·|t))``.
 
     The mean of :func:`losses.divergence` over the off-mask target positions (``targets != -100``
     and not in ``mask``; the ``<eos>`` target included).

@@ -1,4 +1,4 @@
-"""Feature-space composition (METHOD.md §2): the token bijection, the factored head, the per-feature regularizer,
+"""Feature-space composition (docs/method.md, when the rule is exact): the token bijection, the factored head, the per-feature regularizer,
 the features task and its pipeline."""
 
 from __future__ import annotations

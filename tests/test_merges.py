@@ -1,4 +1,4 @@
-"""Merge baselines and the linear-setting bridge (METHOD.md §2)."""
+"""Merge baselines and the linear-setting bridge (docs/method.md, when the rule is exact)."""
 
 import copy
 

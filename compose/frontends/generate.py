@@ -5,7 +5,7 @@ composition (``--composition``), each expert's weight overridable (``--weight ca
 printed as they are decoded (:meth:`ComposedLM.generate` with a streamer). Where the tokenizer has a chat template,
 the prompt is sent as one user turn (``--raw`` sends it as it is); ``--chat`` is an interactive conversation
 (``/reset`` forgets it, ``/exit`` or end of input leaves). ``--show-intervals`` marks each expert's active spans
-in the generated text (what its interval detector reads: METHOD.md §2): in colour on a terminal, as
+in the generated text (what its interval detector reads: docs/method.md, when the rule is exact): in colour on a terminal, as
 ``[name]…[/name]`` otherwise.
 
 The helpers that load an export and turn text or a conversation into prompt ids live here too; the server

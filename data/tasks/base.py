@@ -161,7 +161,7 @@ class Task(ABC):
 
     @property
     def feature_map(self) -> FeatureMap | None:
-        """The token bijection ``D: V → F_1 × … × F_n`` of a feature-space task (METHOD.md §2), used by the
+        """The token bijection ``D: V → F_1 × … × F_n`` of a feature-space task (docs/method.md, when the rule is exact), used by the
         factored head (`model.head: factored`) and the per-feature regularizer; None: the task has none."""
         return None
 
@@ -229,7 +229,7 @@ class Task(ABC):
 
     def evaluate_lengths(self, background: ComposedLM, experts: Mapping[str, ComposedLM], composed: ComposedLM | None,
                          batch_size: int, progress: Callable[[int], None] | None = None) -> dict[str, dict]:
-        """Length generalization (METHOD.md §2): exact match of the background, each trained expert alone (name ->
+        """Length generalization (docs/method.md, when the rule is exact): exact match of the background, each trained expert alone (name ->
         background + that expert) and `composed` at each input length the task's settings ask for, keyed by
         length: `{"<L>": {"background", "experts": {name: ...}, "composition", ...}}`. `{}` (the default): the
         task sweeps no lengths."""

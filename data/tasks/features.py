@@ -1,4 +1,4 @@
-"""Feature-space composition (METHOD.md §2, feature space): letters with a case, token = (letter, case).
+"""Feature-space composition (docs/method.md, when the rule is exact, feature space): letters with a case, token = (letter, case).
 
 The letter task over a cased alphabet (default a–z and A–Z): the background copies `x`; an expert owns letter
 rules as in the letter task, but each rule changes *one feature* of the token: `letter` (`{a: b, A: B}`: a→b in

@@ -1,4 +1,4 @@
-"""The synthetic interval task (METHOD.md §2, skill intervals) behind the task seam.
+"""The synthetic interval task (docs/method.md, when the rule is exact, skill intervals) behind the task seam.
 
 A row is ``<bos> x <sep> y <eos>``: ``x`` is random plain text (lowercase letters by default) holding
 bracketed segments, such as ``ab[cde]f(gh)i``. The background copies (``y == x``). Each expert owns one kind
@@ -9,7 +9,7 @@ with ``( )`` writes ``ab[cde]f(hg)i``, both together ``ab[CDE]f(hg)i``.
 An expert's mask (``compose.intervals.token_interval_mask`` on ``y``, one token per character) covers the
 content of its segments and their end delimiter, never the start delimiter: whether a position is in it
 is decidable from the prefix alone (a stopping time), so at each step at most one expert differs from the
-background and the composition is exact (METHOD.md §2, combined factorizability).
+background and the composition is exact (docs/method.md, when the rule is exact, combined factorizability).
 
 Segments never nest and never touch (at least one plain character between two), and the plain text never
 holds a delimiter character. Every split is drawn from its own seed, derived from the run's seed and the

@@ -1,4 +1,4 @@
-"""The factored output head (`model.head: factored`, METHOD.md §2, feature space).
+"""The factored output head (`model.head: factored`, docs/method.md, when the rule is exact, feature space).
 
 The token logit is a sum of per-feature logits, ``z(v) = Σ_j a_j[D_j(v)]`` with ``a_j = A_j h``: the output
 layer's weight is constrained to ``W[v] = Σ_j A_j[D_j(v)]`` (a `torch.nn.utils.parametrize` parametrization

@@ -1,4 +1,4 @@
-"""The generative letter-replacement task (METHOD.md §3, §5), without Lightning.
+"""The generative letter-replacement task (docs/method.md), without Lightning.
 
 A sequence is ``<bos> x <sep> y <eos>``: ``x`` a random string over the alphabet, ``y`` the same string
 with some letters replaced, position by position. An expert owns a :class:`RuleSet` (``{source: target}``,

@@ -1,4 +1,4 @@
-"""The letter-replacement task (METHOD.md §3, §5) behind the task seam.
+"""The letter-replacement task (docs/method.md) behind the task seam.
 
 Background: copy `x`. Expert: a `RuleSet` such as `{"A": "B"}` applied position-wise; its mask is the
 output positions aligned with its source letters. Generative rows `<bos> x <sep> y <eos>` are decoded
@@ -306,7 +306,7 @@ class LettersTask(Task):
         return results
 
 
-    # --- length generalization (METHOD.md §2) ------------------------------------------------------
+    # --- length generalization (docs/method.md, when the rule is exact) ------------------------------------------------------
     def length_inputs(self, length: int, exclude: set[str] | None = None) -> dict:
         """`n_per_length` inputs of exactly `length` letters, none in `exclude` (default: every training input):
         `{"background": plain strings, "experts": {name: that trained expert's own rows, planted with one of its
@@ -349,7 +349,7 @@ class LettersTask(Task):
             `{"<L>": {"trained_length", "n", "background", "experts": {name: ...}, "composition",
             "components_min", "components_product"}}`: the last two are the minimum and the product of the experts'
             accuracies at that length, what the composition inherits if it keeps each component's behaviour
-            (METHOD.md §2). `{}` when `task.eval_lengths` is unset.
+            (docs/method.md, when the rule is exact). `{}` when `task.eval_lengths` is unset.
         """
         if not self.cfg.eval_lengths:
             return {}
