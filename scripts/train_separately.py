@@ -5,7 +5,7 @@
 
 1. The first expert's run trains the background (`python train.py CONFIG experts=[<first>] output_dir=OUT/runs/
    <first>`); every other expert gets a run of its own that loads it (`background.path=OUT/runs/<first>/
-   background`). Each run sees only the background, its own rule and the config's data settings: no
+   background`). A config whose `background.path` names a pretrained background gives it to every run as is. Each run sees only the background, its own rule and the config's data settings: no
    `compose_with`, no other expert's rules (`expert.reg_data=composition` is refused: it would apply them).
 2. `compose.combine` checks the exports fit together and evaluates their composition on the task's compositional
    test set; the combined export is written to `OUT/combined`.
@@ -85,10 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     runs = args.out / "runs"
     first = runs / specs[0]["name"]
     summaries = {}
+    trained_background = not cfg.background.path  # a pretrained background (background.path) is every run's own
     for spec in specs:
         out = runs / spec["name"]
         summaries[spec["name"]] = train_one(args.config, overrides, spec, out,
-                                            None if out == first else first / "background")
+                                            first / "background" if trained_background and out != first else None)
     exports = {name: runs / name / "export" for name in summaries}
     results: dict = {"config": args.config, "overrides": overrides, "seed": cfg.seed,
                      "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}, "compositions": []}
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.late:
         spec = yaml.safe_load(args.late)
         late_seed = cfg.seed + 1000 if args.late_seed is None else args.late_seed
-        s = train_one(args.config, overrides, spec, runs / spec["name"], first / "background", late_seed)
+        s = train_one(args.config, overrides, spec, runs / spec["name"],
+                      first / "background" if trained_background else None, late_seed)
         results["alone"][spec["name"]] = s["experts"][spec["name"]]["exact_match"]
         results["late"] = {"name": spec["name"], "seed": late_seed}
         compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late")

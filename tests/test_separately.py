@@ -82,3 +82,24 @@ def test_k_curve_reads_a_train_py_run_as_each_expert_alone_and_its_composition(t
     one = {"experts": {"A_to_B": {"exact_match": 0.9}}, "composition": {"k": 1, "exact_match": 0.9}}
     (tmp_path / "summary.json").write_text(json.dumps(one))
     assert _script("k_curve").points(tmp_path) == [(1, 0.9)]
+
+
+def test_a_pretrained_background_is_every_runs_own(tmp_path, monkeypatch):
+    """With `background.path` set no run trains a background: none is handed from the first run to the others."""
+    import compose.frontends.combine as combine
+
+    module, given = _script(), {}
+
+    def train_one(config, overrides, spec, out, background, seed=None):
+        given[spec["name"]] = background
+        out.mkdir(parents=True, exist_ok=True)
+        return {"experts": {spec["name"]: {"exact_match": 1.0}}}
+
+    monkeypatch.setattr(module, "train_one", train_one)
+    monkeypatch.setattr(combine, "combine_exports", lambda *a, **k: {"metrics": {"exact_match": 1.0}, "n_test": 1})
+    experts = "experts=[{name: A_to_B, rules: {A: B}}, {name: C_to_D, rules: {C: D}}]"
+    module.main([FAST, "--out", str(tmp_path / "sep"), experts, "background.path=smollm2", "--late",
+                 "{name: E_to_F, rules: {E: F}}"])
+    assert given == {"A_to_B": None, "C_to_D": None, "E_to_F": None}
+    module.main([FAST, "--out", str(tmp_path / "sep2"), experts])
+    assert given["C_to_D"] == tmp_path / "sep2" / "runs" / "A_to_B" / "background"
