@@ -49,6 +49,7 @@ from compose.modules import accepts, eval_mode
 from compose.operator import compose_logprobs
 from compose.positions import next_position_ids, position_restart_token
 from compose.positions import position_ids as position_ids_of
+from compose.quiet import quiet_loading
 from compose.trunk import TrunkState, decoder_layers, shared_trunk, trunk_start
 from compose.vocab import check_same_vocab, check_tokenizers, vocab_sizes
 
@@ -190,6 +191,7 @@ class ComposedLM(nn.Module):
         return self
 
     @classmethod
+    @quiet_loading()  # no library noise (compose.quiet)
     def from_manifest(
         cls,
         path: str | os.PathLike,

@@ -44,6 +44,7 @@ import yaml
 
 from compose.atomic import atomic_save
 from compose.model_io import load_tokenizer, pretrained_causal_lm, sha256_file
+from compose.quiet import quiet_loading
 from compose.vocab import check_vocab
 
 FORMAT_VERSION = 1
@@ -60,6 +61,7 @@ _EXPERT_KEYS = ("name", "kind", "path", "weight", "spec")
 # ---------------------------------------------------------------------- export
 
 
+@quiet_loading()
 def export_composition(
     path: str | os.PathLike,
     *,
@@ -460,6 +462,7 @@ class LoadedExport:
     extra: dict
 
 
+@quiet_loading()
 def load_export(path: str | os.PathLike, *, backend: str = "adapters") -> LoadedExport:
     """Verify and load an export's components.
 

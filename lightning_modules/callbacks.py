@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from compose.composed_lm import ComposedLM
 from compose.distributed import sharded
 from compose.export import export_composition
+from compose.model_io import sha256_file
 from data.tasks import Task, settings_node
 
 
@@ -99,6 +100,51 @@ class DownstreamEvaluation(pl.Callback):
                     self.last[f"{self.prefix}/{key}/{model}"] = value
         for key, value in self.last.items():
             pl_module.log(key, value, sync_dist=True)
+
+
+class CheckpointBackgroundError(ValueError):
+    """A checkpoint was trained on other frozen background weights than the folder it is resumed with."""
+
+
+class FrozenBackgroundCheck(pl.Callback):
+    """Records in every checkpoint which frozen background its experts were trained on, and refuses to resume
+    on another: the experts' checkpoints hold only their trained state (`ExpertLM.on_save_checkpoint`), the
+    background's weights stay in its own folder (the run's `background/` or `background.path`), referenced by
+    the SHA-256 of its safetensors files (`checkpoint["frozen_background"]`, hashed once per stage).
+
+    Args:
+        folder: the background's HF folder the experts are built on.
+    """
+
+    KEY = "frozen_background"
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._digests: dict[str, str] | None = None
+
+    def reference(self) -> dict:
+        if self._digests is None:
+            self._digests = {f.name: sha256_file(f) for f in sorted(self.folder.glob("*.safetensors"))}
+        return {"folder": str(self.folder.resolve()), "sha256": dict(self._digests)}
+
+    def verify(self, checkpoint: Mapping) -> None:
+        """Raise `CheckpointBackgroundError` (one line) if `checkpoint` names other background weights."""
+        saved = checkpoint.get(self.KEY)
+        if saved is None:
+            return  # a checkpoint that holds its background's weights itself
+        ours = self.reference()
+        if saved["sha256"] != ours["sha256"]:
+            differ = sorted(set(saved["sha256"].items()) ^ set(ours["sha256"].items()))
+            raise CheckpointBackgroundError(
+                f"the checkpoint was trained on the background in {saved['folder']} (safetensors SHA-256 "
+                f"{', '.join(sorted({name for name, _ in differ}))} differ from {self.folder}): resume with that "
+                "background, or start a new output_dir")
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[self.KEY] = self.reference()
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.verify(checkpoint)
 
 
 class ExportForComposition(pl.Callback):

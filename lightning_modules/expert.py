@@ -607,6 +607,35 @@ class ExpertLM(pl.LightningModule):
         h = self.settings
         return adamw_with_schedule(self.parameters(), h.lr, h.weight_decay, h.warmup_ratio, h.max_steps)
 
+    # --- checkpoints: the trained state only --------------------------------------------------------
+    def _frozen_names(self) -> set[str]:
+        """State-dict keys of the frozen parameters: the background (under LoRA, every weight but the trained
+        adapters; else the frozen copy and the untrained part of each expert) and adapters of earlier runs."""
+        params = self.named_parameters(remove_duplicate=False)
+        if self.settings.mode == "lora":  # by adapter name: peft freezes inactive adapters while it switches
+            return {n for n, _ in params if not any(f".{name}." in n for name in self.names)}
+        return {n for n, p in params if not p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint holds what training changes (the trained parameters, with the optimizer, schedulers and
+        loops Lightning adds), not the frozen weights: they come from the background's folder and the frozen
+        adapters' exports, from which the module is built (`load_state_dict` takes them from it again). Under
+        FSDP, whose parameter names are its own, the state is kept whole."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            return
+        state = checkpoint["state_dict"]
+        for name in self._frozen_names():
+            state.pop(name, None)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`; the frozen weights a checkpoint leaves out (`on_save_checkpoint`) are
+        the module's own."""
+        own = self.state_dict()
+        missing = {name: own[name] for name in self._frozen_names() if name not in state_dict and name in own}
+        return super().load_state_dict({**missing, **state_dict}, strict=strict, assign=assign)
+
 
 # what an `init_from` folder holds -> the modes it can start an expert of
 INIT_MODES: dict[str, tuple[str, ...]] = {"adapter": ("lora", "full"), "model": ("full",)}

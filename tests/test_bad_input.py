@@ -61,6 +61,8 @@ CASES: list[tuple[str, list[str], dict[str, str], list[str]]] = [
     ("weight=nan", ["experts.0.weight=nan"], {}, ["experts[0].weight=nan", "finite number"]),
     ("val_check_interval=0", ["trainer.val_check_interval=0"], {}, ["trainer.val_check_interval=0", ">= 1"]),
     ("limit_val_batches>1", ["trainer.limit_val_batches=1.5"], {}, ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
+    ("threads=0", ["trainer.threads=0"], {}, ["trainer.threads=0", "an integer >= 1"]),
+    ("threads=1.5", ["trainer.threads=1.5"], {}, ["trainer.threads", "Integer"]),
     ("eval_batch_size=0", ["composition.eval_batch_size=0"], {}, ["composition.eval_batch_size=0", ">= 1"]),
     ("val_limit=0", ["composition.val_limit=0"], {}, ["composition.val_limit=0", "null (all) or an integer >= 1"]),
     ("ablation_ks=[0]", ["ablation_ks=[0]"], {}, ["ablation_ks=[0]", "integers >= 1"]),

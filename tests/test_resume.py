@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -141,6 +142,48 @@ def test_resumed_logger_keeps_the_rows_before_where_it_starts_again(tmp_path):
     assert sorted(p.name for p in (tmp_path / "experts").iterdir()) == ["hparams.yaml", "metrics.csv"]
 
 
+def test_expert_checkpoints_hold_the_trained_state_and_load_into_a_fresh_module():
+    from tiny_models import tiny_model
+
+    from lightning_modules.expert import ExpertLM, ExpertSettings
+
+    def build() -> ExpertLM:
+        return ExpertLM(tiny_model(), ["a", "b_1"], ExpertSettings(lora_r=2))
+
+    module = build()
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name in trained:
+                p.normal_()  # (lora_B starts at zero)
+    module.peft_model.set_adapter("a")  # peft freezes the adapters it does not activate: still trained state
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert set(checkpoint["state_dict"]) == trained and all(".lora_" in k for k in trained)
+    assert {k.split(".lora_")[1].split(".", 1)[1] for k in trained} == {"a.weight", "b_1.weight"}
+    fresh = build()
+    fresh.load_state_dict(checkpoint["state_dict"])
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in module.state_dict().items())
+    with pytest.raises(RuntimeError, match="Missing key"):  # a trained weight missing is still an error
+        fresh.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if ".b_1." not in k})
+
+
+def test_a_checkpoint_refuses_another_background(tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_modules.callbacks import CheckpointBackgroundError, FrozenBackgroundCheck
+
+    folder = tmp_path / "background"
+    folder.mkdir()
+    save_file({"w": torch.zeros(3)}, folder / "model.safetensors")
+    checkpoint: dict = {}
+    FrozenBackgroundCheck(folder).on_save_checkpoint(None, None, checkpoint)
+    FrozenBackgroundCheck(folder).verify(checkpoint)
+    save_file({"w": torch.ones(3)}, folder / "model.safetensors")
+    with pytest.raises(CheckpointBackgroundError, match=r"SHA-256 model\.safetensors differ"):
+        FrozenBackgroundCheck(folder).verify(checkpoint)
+
+
 def _saved_run(tmp_path: Path, *overrides: str) -> Path:
     out = tmp_path / "run"
     (out / "checkpoints" / "background").mkdir(parents=True)
@@ -198,19 +241,22 @@ KILLS = [
 TIMING = ("timing", "command")  # seconds, and the command line (it says ckpt_path=last)
 
 
-def _train(out: Path, *extra: str, kill: tuple[str, str] | None = None) -> tuple[int, str]:
+def _train(out: Path, *extra: str, kill: tuple[str, str] | None = None, run: list[str] = RUN,
+           sig: signal.Signals = signal.SIGKILL) -> tuple[int, str]:
+    """Run train.py; with `kill`, send `sig` where it says (a pause point or a printed line)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if kill and kill[0] == "pause":
         env["COMPOSABLE_EXPERTS_PAUSE_AT"] = kill[1]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, f"output_dir={out}", *extra], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *run, f"output_dir={out}", *extra], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed = []
     try:
         for line in proc.stdout:
             printed.append(line)
             if kill and line.startswith(f"[pause] {kill[1]}" if kill[0] == "pause" else kill[1]):
-                proc.send_signal(signal.SIGKILL)
-                break
+                proc.send_signal(sig)
+                if sig == signal.SIGKILL:
+                    break
         proc.wait(timeout=600)
     finally:
         proc.kill()
@@ -271,5 +317,45 @@ def test_killed_run_resumes_to_the_uninterrupted_summary(tmp_path):
     assert code == 0, printed[-3000:]
     assert _summary(out) == _summary(reference)
     for log in ("logs/background", "logs/experts", "ablations/plain_k2/logs/experts"):
+        assert (out / log / "metrics.csv").read_text() == (reference / log / "metrics.csv").read_text(), log
+    _assert_nothing_half_written(out)
+
+
+SIGNAL_RUN = [str(FAST), "background.max_steps=12", "expert.max_steps=9", "ablations=[]"]  # validation every 3 steps
+# (signal, where, what it interrupts, the step of the stage's last.ckpt after it or None): a training stage
+# finishes the step it is in and saves there (not at the last validation); anything else stops at once.
+STOPS = [
+    (signal.SIGINT, ("pause", "run/background step 5"), "background training (Ctrl-C)", ("background", 5)),
+    (signal.SIGTERM, ("pause", "run/experts step 4"), "expert training", ("experts", 4)),
+    (signal.SIGTERM, ("line", "[composition] decoding the test split: expert"), "the composition stage", None),
+]
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigint_save_say_how_to_resume_and_exit_128_plus_the_signal(tmp_path):
+    """SIGINT and SIGTERM in training and after it: exit 130 / 143, one line with the command that resumes (and
+    no library line about the signal), the stage's checkpoint at the step reached; resumed, the run ends with
+    the summary and logs of an uninterrupted one."""
+    from lightning_modules.pipeline.resume import last_step
+
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    code, printed = _train(reference, run=SIGNAL_RUN)
+    assert code == 0, printed[-3000:]
+    for sig, where, what, saved in STOPS:
+        code, printed = _train(out, *(["ckpt_path=last"] if out.exists() else []), kill=where, run=SIGNAL_RUN, sig=sig)
+        assert code == 128 + sig, f"{what}: exit {code}\n{printed[-3000:]}"
+        said = [line for line in printed.splitlines() if line.startswith("stopped by")]
+        again = shlex.join(["python", "train.py", *SIGNAL_RUN, f"output_dir={out}", "ckpt_path=last"])
+        assert said == [f"stopped by {sig.name}; what it needs to resume is saved: {again}"], printed[-3000:]
+        assert "Traceback" not in printed and "Received SIGTERM" not in printed, printed[-3000:]
+        if saved:
+            assert last_step(out / "checkpoints" / saved[0] / "last.ckpt") == saved[1], what
+    state = torch.load(out / "checkpoints" / "experts" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert all(".A_to_B." in k or ".C_to_D." in k for k in state["state_dict"])  # no frozen background weight
+    assert state["frozen_background"]["folder"] == str((out / "background").resolve())
+    code, printed = _train(out, "ckpt_path=last", run=SIGNAL_RUN)
+    assert code == 0, printed[-3000:]
+    assert _summary(out) == _summary(reference)
+    for log in ("logs/background", "logs/experts"):
         assert (out / log / "metrics.csv").read_text() == (reference / log / "metrics.csv").read_text(), log
     _assert_nothing_half_written(out)

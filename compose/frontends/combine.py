@@ -39,7 +39,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +59,7 @@ from compose.export import (
 )
 from compose.model_card import write_model_card
 from compose.model_io import load_tokenizer
+from compose.quiet import ignore_loading_noise
 from compose.vocab import tokenizer_signature
 from data.tasks import Expert, Task, TaskError, settings_from_node
 from lightning_modules.pipeline.build import new_task
@@ -424,10 +424,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 2 with one line on exports that cannot be combined."""
     args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a "Loading weights" bar for every small load
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    ignore_loading_noise()  # a "Loading weights" bar for every small load, peft's FutureWarning (compose.quiet)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         test_settings = {}

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from compose.composed_lm import ComposedLM
 from compose.model_io import load_tokenizer, pretrained_causal_lm, torch_dtype
+from compose.quiet import quiet_loading
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -59,7 +60,8 @@ def load_causal_lm(folder: str | os.PathLike, what: str = "model", *, dtype: str
     path = check_model_folder(folder, what)
     dtype = None if dtype is None else torch_dtype(dtype)
     try:
-        model = pretrained_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
+        with quiet_loading():
+            model = pretrained_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
     except (ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{what} {path}: not a causal LM ({first})") from None

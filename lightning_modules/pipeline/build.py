@@ -108,7 +108,8 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
             reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
             task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
             warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps,
-            active_threshold=cfg.composition.active_threshold, log_every_n_steps=cfg.trainer.log_every_n_steps,
+            active_threshold=cfg.composition.active_threshold,
+            log_every_n_steps=cfg.trainer.log_every_n_steps or ExpertSettings.log_every_n_steps,  # null: stages decide
             regularizer=e.regularizer,
             background_top_k=e.background_cache.top_k if e.background_cache is not None else None,
             position_jump=e.position_jump, loss_chunk_size=e.loss_chunk_size)

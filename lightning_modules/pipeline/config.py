@@ -230,10 +230,15 @@ class TrainerConfig:
     strategy: str = "auto"
     precision: str = "32-true"
     val_check_interval: int = 50  # validation (and composition) every N training steps
-    log_every_n_steps: int = ExpertSettings.log_every_n_steps  # also when the experts compute their train metrics
+    # Also when the experts compute their train metrics. null: ExpertSettings' default, lowered to a short stage's
+    # steps and training batches per epoch (stages.logging_interval).
+    log_every_n_steps: int | None = None
     enable_progress_bar: bool = True
     limit_val_batches: Any = 1.0
     num_sanity_val_steps: int = 0
+    # CPU threads of each training process (torch.set_num_threads; also OMP_NUM_THREADS for the ranks Lightning
+    # starts). null: torch's own choice (one per core; Lightning divides the cores among DDP ranks on CPU).
+    threads: int | None = None
     # Where the stages' metrics go besides logs/<stage>/metrics.csv (always written: resume and the report read
     # it): csv (nothing more) | tensorboard | wandb (offline unless WANDB_MODE says otherwise) | mlflow (a local
     # store under logs/mlruns unless MLFLOW_TRACKING_URI is set). The last three need their package installed.
@@ -496,7 +501,9 @@ RANGES: dict[str, tuple[Any, str]] = {
                                   "null (all), an integer >= 1 (examples per task) or a fraction in (0, 1)"),
     "composition.lm_eval.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "trainer.val_check_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1 (training steps)"),
-    "trainer.log_every_n_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "trainer.log_every_n_steps": (lambda v: v is None or (_int(v) and v >= 1),
+                                  "null (chosen from the stage's length) or an integer >= 1"),
+    "trainer.threads": (lambda v: v is None or (_int(v) and v >= 1), "null (torch's choice) or an integer >= 1"),
     "trainer.num_sanity_val_steps": (lambda v: _int(v) and v >= -1, "an integer >= -1 (-1: all)"),
     "trainer.limit_val_batches": (lambda v: (_int(v) and v >= 0) or (_number(v) and 0 <= v <= 1),
                                   "a fraction in [0.0, 1.0] or a whole number of batches >= 0"),

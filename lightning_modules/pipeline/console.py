@@ -6,15 +6,16 @@ what libraries print on every stage although nothing is wrong, each by its exact
 
 * Lightning's info lines: "GPU available / TPU available", the litlogger tip, "`Trainer(...=1.0)` was configured
   so ...", "`Trainer.fit` stopped: `max_steps=N` reached." (the stage line already says how many steps), and under
-  DDP each rank's "Initializing distributed: ..." and the "distributed_backend=..." banner.
+  DDP each rank's "Initializing distributed: ..." and the "distributed_backend=..." banner; "Received SIGTERM: N"
+  (train.py says in one line how to resume a stopped run).
 * "Found N module(s) in eval mode at the start of training": the experts' frozen background is kept in eval
   mode on purpose (no dropout in the reference distribution).
 * "The '..._dataloader' does not have many workers": rows are pre-tokenized in memory and collated cheaply.
 * "Checkpoint directory ... exists and is not empty": said when a stage resumes (`ckpt_path=last`), which
   continues in its own checkpoint folder on purpose (a new run's folder is always empty).
-* FutureWarnings of calls we cannot change: transformers' `is_gradient_checkpointing` (read by peft's
-  `get_peft_model`), torch's `LeafSpec` (used by Lightning's pytree helper).
-* transformers' "Loading weights" / "Writing model shards" bars, shown for every small load and save.
+* FutureWarnings of calls we cannot change: torch's `LeafSpec` (used by Lightning's pytree helper).
+* What loading and saving models prints (`compose.quiet`: transformers' progress bars, the FutureWarning of
+  peft's `get_peft_model`), for the whole run.
 
 Everything else (warnings that point at a real problem, "Restoring states from the checkpoint path", errors)
 stays visible. `quiet()` is idempotent; `train.py` and `stages.run` call it.
@@ -31,6 +32,8 @@ from typing import Any
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from compose.quiet import ignore_loading_noise
+
 # Lightning info lines (logged through its rank-zero loggers), matched at the start of the message.
 NOISE_LOG_MESSAGES: tuple[str, ...] = (
     r"GPU available: ",
@@ -38,6 +41,7 @@ NOISE_LOG_MESSAGES: tuple[str, ...] = (
     r"💡 Tip: ",
     r"`Trainer\(\w+=1(\.0)?\)` was configured so ",
     r"`Trainer\.fit` stopped: `max_steps=\d+` reached",
+    r"(\[rank: \d+\] )?Received SIGTERM: ",
     r"Initializing distributed: GLOBAL_RANK: ",
     r"-+\ndistributed_backend=",
 )
@@ -46,7 +50,6 @@ NOISE_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"Found \d+ module\(s\) in eval mode at the start of training", UserWarning),
     (r"The '\w+' does not have many workers", UserWarning),
     (r"Checkpoint directory .* exists and is not empty", UserWarning),
-    (r"`is_gradient_checkpointing` is deprecated", FutureWarning),
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
 )
 _LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
@@ -74,9 +77,7 @@ def quiet() -> None:
             handler.addFilter(_FILTER)
     for message, category in NOISE_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    ignore_loading_noise()
 
 
 def stage(name: str, message: str) -> None:

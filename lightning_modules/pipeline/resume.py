@@ -10,6 +10,10 @@
 * `ResumableCSVLogger`: `logs/<stage>/metrics.csv` keeps the rows of the interrupted process up to where the
   resumed one starts logging again, and is rewritten whole through a temporary file (Lightning's deletes the
   file when a resumed stage opens it, and rewrites it in place when a new column appears).
+* `stop_on_signals`, `SaveOnStop`, `Interrupted`: SIGTERM (what a scheduler or `kill` sends) and SIGINT (Ctrl-C)
+  stop the run where it can resume: a training stage at the end of its current step (Lightning's own SIGTERM
+  handling; SIGINT is handed to it) with `last.ckpt` saved there, anything else at once (every write is atomic);
+  the process then exits with 128 + the signal's number. A second signal stops at once.
 * `PausePoints`: the test hook `compose.common.pause_point` after every training step.
 
 The training data order is resumable on its own (`data.sampler`); interrupted atomic saves leave only
@@ -20,7 +24,13 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,9 +40,10 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from compose.atomic import atomic_file, pause_point
+from compose.atomic import PAUSE_ENV, atomic_file, pause_point
 from data.splits import derive_seed
 from lightning_modules.pipeline.config import ConfigError
 
@@ -41,7 +52,7 @@ from lightning_modules.pipeline.config import ConfigError
 FREE_ON_RESUME = (
     "output_dir", "ckpt_path", "report", "ablations", "ablation_ks", "baselines", "data.num_workers",
     "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.val_check_interval",
-    "trainer.limit_val_batches", "trainer.num_sanity_val_steps",
+    "trainer.limit_val_batches", "trainer.num_sanity_val_steps", "trainer.threads",
     "composition.eval_batch_size", "composition.val_limit", "composition.active_threshold",
 )
 # Keys only the expert stage reads: free until that stage has a checkpoint or an export.
@@ -191,6 +202,98 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(SystemExit):
+    """SIGTERM or SIGINT stopped the run; uncaught, the process exits with 128 + the signal's number.
+
+    `output_dir`: the run folder to resume with `ckpt_path=last` (None: stopped before the run wrote anything)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.output_dir: Path | None = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class _Stop:
+    """The handler `stop_on_signals` installs for SIGTERM and SIGINT.
+
+    Outside a fit it raises `Interrupted`. During a fit Lightning's SignalConnector holds SIGTERM (calling this
+    handler after its own): the first signal only sets Lightning's flag, which stops the fit after the current
+    step (`SaveOnStop` saves there), and `check_stop` raises after the fit; SIGINT is handed to Lightning's
+    handler for that. A second signal raises at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._forwarding = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self._forwarding:
+            return
+        first = self.received is None
+        if first:
+            self.received = signum
+        current = signal.getsignal(signal.SIGTERM)
+        if first and current != self and callable(current):  # in a fit: Lightning's handler wraps this one
+            if signum != signal.SIGTERM:
+                self._forwarding = True
+                try:
+                    current(signum, frame)
+                finally:
+                    self._forwarding = False
+            return
+        raise Interrupted(self.received)
+
+
+_ACTIVE: list[_Stop] = []
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT stop the block resumably (`Interrupted`, see `_Stop`); the previous handlers are
+    restored after it. Nested blocks share the outer one's; off the main thread (where Python delivers signals)
+    it changes nothing."""
+    if _ACTIVE or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stop = _Stop()
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop)
+    _ACTIVE.append(stop)
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def check_stop() -> None:
+    """Raise `Interrupted` if a signal arrived during a fit that ended anyway (it came after the last step)."""
+    if _ACTIVE and _ACTIVE[0].received is not None:
+        raise Interrupted(_ACTIVE[0].received)
+
+
+class SaveOnStop(pl.Callback):
+    """Saves the stage's `last.ckpt` where Lightning stops a fit after SIGTERM (`SIGTERMException`, raised after
+    the current step and its validation), so a resume continues from the step reached rather than from the
+    last validation. Stopped inside a validation, the checkpoint of the previous one is kept: a validation
+    restarted half-way would log other values than a whole one."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.training and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path, weights_only=False)
+
+
 class PausePoints(pl.Callback):
     """Pause points of a training stage (tests only: added when `$COMPOSABLE_EXPERTS_PAUSE_AT` is set):
     `<run folder>/<stage> step <n>` after training step n, before its checkpoint is written, and
@@ -200,7 +303,15 @@ class PausePoints(pl.Callback):
         self.prefix = f"{Path(out).name}/{stage}"
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        pause_point(f"{self.prefix} step {trainer.global_step}")
+        name = f"{self.prefix} step {trainer.global_step}"
+        if _ACTIVE and os.environ.get(PAUSE_ENV) == name:
+            # Waits for a signal rather than forever: SIGKILL ends the process here; SIGTERM or SIGINT, caught by
+            # `stop_on_signals`, let the step end where Lightning stops the fit.
+            print(f"[pause] {name}", flush=True)
+            while _ACTIVE[0].received is None:
+                time.sleep(0.05)
+            return
+        pause_point(name)
 
     def on_validation_start(self, trainer: pl.Trainer, *_: Any) -> None:
         if not trainer.sanity_checking:

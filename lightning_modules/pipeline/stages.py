@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import signal
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compose import ComposedLM
@@ -31,8 +36,14 @@ from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
 from compose.model_card import write_model_card
 from data.tasks import Expert, Task
 from lightning_modules.background import BackgroundLM
-from lightning_modules.callbacks import CompositionEvaluation, DownstreamEvaluation, ExportForComposition
-from lightning_modules.expert import ExpertLM
+from lightning_modules.callbacks import (
+    CheckpointBackgroundError,
+    CompositionEvaluation,
+    DownstreamEvaluation,
+    ExportForComposition,
+    FrozenBackgroundCheck,
+)
+from lightning_modules.expert import ExpertLM, ExpertSettings
 from lightning_modules.pipeline import console
 from lightning_modules.pipeline.ablations import check_ablations, run_ablations
 from lightning_modules.pipeline.build import (
@@ -347,6 +358,7 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
     # (passing `limit_val_batches=1.0` explicitly makes it print that it will use 100% of the batches).
     bar = [console.StepProgressBar(stage)] if t.enable_progress_bar else []
     pause = [PausePoints(out, stage)] if os.environ.get(PAUSE_ENV) else []
+    stop = SaveOnStop(out / "checkpoints" / stage / "last.ckpt")  # SIGTERM / SIGINT: save where the fit stops
     return pl.Trainer(
         max_steps=max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
         precision=t.precision, val_check_interval=min(t.val_check_interval, max_steps),
@@ -355,7 +367,7 @@ def make_trainer(cfg: DictConfig, out: Path, stage: str, max_steps: int, callbac
         else t.limit_val_batches,  # (an int 1 is one batch)
         num_sanity_val_steps=t.num_sanity_val_steps,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False,
-        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), *bar, *pause, *callbacks],
+        callbacks=[checkpoint, LearningRateMonitor(logging_interval="step"), stop, *bar, *pause, *callbacks],
         logger=loggers, default_root_dir=out, plugins=[AtomicCheckpointIO()],
     )
 
@@ -371,14 +383,38 @@ def _fit(trainer: pl.Trainer, module, datamodule, cfg: DictConfig, out: Path, st
         ckpt = cfg.ckpt_path
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    except SIGTERMException:  # Lightning stopped the fit after a signal (`SaveOnStop` saved where)
+        check_stop()
+        raise Interrupted(signal.SIGTERM) from None
     except RuntimeError as e:
         if ckpt and ("size mismatch" in str(e) or "Missing key" in str(e) or "Unexpected key" in str(e)):
             raise ConfigError(f"checkpoint {ckpt} does not match the config ({str(e).splitlines()[0][:200]})") from None
         raise
+    except CheckpointBackgroundError as e:
+        raise ConfigError(str(e)) from None
     # ModelCheckpoint saves every N steps; make `last.ckpt` the state at the end of the stage as well.
     # weights_only=False: the full state (optimizer, loops) that a resume needs; said explicitly, so Lightning
     # does not announce its default. Loading stays weights_only=True (only tensors and plain containers).
     trainer.save_checkpoint(out / "checkpoints" / stage / "last.ckpt", weights_only=False)
+    check_stop()  # a signal during the fit's last step or its end (the export): stop now, resumable
+
+
+def logging_interval(cfg: DictConfig, datamodule, max_steps: int) -> int:
+    """`trainer.log_every_n_steps`, or when it is null `ExpertSettings.log_every_n_steps` lowered to the stage's
+    length: its steps and its training batches per epoch and rank (a longer interval never logs a short stage,
+    and Lightning warns about it)."""
+    if cfg.trainer.log_every_n_steps is not None:
+        return cfg.trainer.log_every_n_steps
+    devices = cfg.trainer.devices
+    ranks = devices if isinstance(devices, int) and devices > 0 else len(devices) if isinstance(devices, ListConfig) else 1
+    per_epoch = math.ceil(len(datamodule.dataset("train")) / ranks / datamodule.batch_size)
+    return max(1, min(ExpertSettings.log_every_n_steps, max_steps, per_epoch))
+
+
+def with_logging_interval(cfg: DictConfig, datamodule, max_steps: int) -> DictConfig:
+    """`cfg` with the stage's `trainer.log_every_n_steps` (`logging_interval`): the Trainer and the experts'
+    own training metrics read the same one."""
+    return OmegaConf.merge(cfg, {"trainer": {"log_every_n_steps": logging_interval(cfg, datamodule, max_steps)}})
 
 
 def background_stage(cfg: DictConfig, plan: Plan) -> Path:
@@ -396,7 +432,8 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     module = BackgroundLM(model, lr=b.optim.lr, weight_decay=b.optim.weight_decay,
                           warmup_ratio=b.optim.warmup_ratio, max_steps=b.max_steps, position_jump=b.position_jump)
     dm = build_datamodule(cfg, plan.task, "background")
-    _fit(make_trainer(cfg, plan.out, "background", b.max_steps, []), module, dm, cfg, plan.out, "background")
+    trainer = make_trainer(with_logging_interval(cfg, dm, b.max_steps), plan.out, "background", b.max_steps, [])
+    _fit(trainer, module, dm, cfg, plan.out, "background")
     merge_factored_head(model)  # a factored head is saved as the plain weight it computes
     if is_leader():
         atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
@@ -427,6 +464,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
                              background_path=background_path, load_background=load_pretrained,
                              extra={"experiment": cfg.experiment, "seed": cfg.seed, "task": cfg.task.name},
                              overwrite=cfg.ckpt_path == "last"),
+        background_check := FrozenBackgroundCheck(background_path),  # checkpoints hold no frozen weight
     ]
     if c.lm_eval.tasks:  # downstream tasks at each validation, on the background, each expert and the composition
         callbacks.insert(1, DownstreamEvaluation(LMEvalRunner.from_config(cfg), plan.tokenizer))
@@ -435,7 +473,7 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     # without the final checkpoint (a kill in between) resumes the fit, which writes both again.
     if cfg.ckpt_path == "last" and agree(lambda: export.is_file() and last_step(last) == e.max_steps):
         state = torch.load(last, map_location="cpu", weights_only=True)
-        module.load_state_dict(state["state_dict"])  # the trained adapters
+        _load_trained(module, state, background_check)
         return module
     trainer = make_trainer(cfg, plan.out, "experts", e.max_steps, callbacks)
     _fit(trainer, module, dm, cfg, plan.out, "experts")
@@ -444,8 +482,17 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         # final checkpoint (written by rank 0, every rank past its barrier).
         state = torch.load(last, map_location="cpu", weights_only=True)
         module = expert_module(cfg, plan, background_path)
-        module.load_state_dict(state["state_dict"])
+        _load_trained(module, state, background_check)
     return module
+
+
+def _load_trained(module: ExpertLM, state: dict, background_check: FrozenBackgroundCheck) -> None:
+    """The trained state of an experts checkpoint into `module` (its frozen weights are the module's own)."""
+    try:
+        background_check.verify(state)
+    except CheckpointBackgroundError as e:
+        raise ConfigError(str(e)) from None
+    module.load_state_dict(state["state_dict"])
 
 
 def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module: ExpertLM | None) -> dict:
@@ -565,11 +612,57 @@ def write_divergence_map(composed: ComposedLM, rows, collate, path: Path) -> Non
     atomic_write_text(path, json.dumps(out))
 
 
+_RUNNING: list[DictConfig] = []  # the run in progress and the ablation sub-runs it started
+
+
 def run(cfg: DictConfig, command: str | None = None) -> dict:
-    """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`)."""
-    t0 = time.time()
+    """Run the whole pipeline for `cfg`; returns the summary (also written to `summary.json`).
+
+    SIGTERM and SIGINT stop it resumably (`resume.stop_on_signals`): `Interrupted` (a `SystemExit` of status
+    128 + the signal's number) is raised, with `output_dir` naming the run folder to resume."""
     console.quiet()
-    plan = plan_run(cfg)  # with ckpt_path=last: refuses a config that changes what the run already trained
+    plan = None
+    with stop_on_signals(), cpu_threads(cfg.trainer.threads) as threads:
+        try:
+            plan = plan_run(cfg)  # with ckpt_path=last: refuses a config that changes what the run already trained
+            if not _RUNNING:
+                source = ("trainer.threads" if cfg.trainer.threads else "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ
+                          else "torch's default; trainer.threads sets it")
+                console.stage("run", f"{threads} CPU thread{'s' if threads > 1 else ''} per process ({source})")
+            _RUNNING.append(cfg)
+            try:
+                return _run_planned(cfg, plan, command)
+            finally:
+                _RUNNING.pop()
+        except Interrupted as stop:
+            if plan is not None and plan.out.is_dir():
+                stop.output_dir = plan.out  # the outermost run's folder: an ablation's is resumed through it
+            raise
+
+
+@contextmanager
+def cpu_threads(threads: int | None) -> Iterator[int]:
+    """`trainer.threads` for the block: torch's intra-op threads, and `OMP_NUM_THREADS` for the ranks Lightning's
+    DDP launcher starts (it divides the cores among them only where that is unset); None: as torch chose.
+    Yields the threads in use."""
+    if threads is None:
+        yield torch.get_num_threads()
+        return
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
+def _run_planned(cfg: DictConfig, plan: Plan, command: str | None) -> dict:
+    t0 = time.time()
     leader = is_leader()  # a rank > 0 of a distributed run writes nothing (`pipeline.ranks`)
     if leader:
         if cfg.ckpt_path == "last":
