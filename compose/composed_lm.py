@@ -299,8 +299,14 @@ class ComposedLM(nn.Module):
             if adapted:
                 return None, f"expert {adapted[0]!r} adapts the output head (LoRA on it)"
             head = head.base_layer  # adapters outside the composition: the composed rows never run them
+        # Leaving peft's disable_adapter() leaves only the active adapter trainable: keep an expert in training
+        # as it was.
+        trainable = {p: p.requires_grad for p in self.model.parameters()}
         with self.model.disable_adapter():
-            return one_head_check([("background", base)], head)
+            found = one_head_check([("background", base)], head)
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
+        return found
 
     def _trunk_start(self) -> tuple[int, str]:
         if self.backend != "adapters":

@@ -19,8 +19,23 @@ def python_blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
+@pytest.fixture
+def registries():
+    """The pages register a task and a divergence: put both registries back afterwards, so the rest of the suite
+    sees only the built-in names."""
+    from data.tasks import TASKS
+    from losses.divergences import DIVERGENCES
+
+    tasks, divergences = dict(TASKS._classes), dict(DIVERGENCES)
+    yield
+    TASKS._classes.clear()
+    TASKS._classes.update(tasks)
+    DIVERGENCES.clear()
+    DIVERGENCES.update(divergences)
+
+
 @pytest.mark.parametrize("page", PAGES)
-def test_extending_page_runs(page, monkeypatch):
+def test_extending_page_runs(page, monkeypatch, registries):
     blocks = python_blocks(ROOT / "docs" / "extending" / page)
     assert len(blocks) >= 3, f"{page}: expected a worked example in several python blocks"
     monkeypatch.chdir(ROOT)

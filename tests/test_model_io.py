@@ -12,6 +12,7 @@ from compose.model_io import DTYPE_NAMES, pretrained_causal_lm, sha256_file, tor
 from lightning_modules.pipeline.config import ConfigError, ModelConfig
 from lightning_modules.pipeline.models import (
     ARCHITECTURE_NAMES,
+    PRETRAINED,
     PRETRAINED_NAMES,
     architecture_config,
     file_sha256,
@@ -44,10 +45,11 @@ def test_pretrained_causal_lm_reads_safetensors_in_eval_mode(tmp_path):
 
 
 def test_model_names_and_architectures_come_from_their_registries():
-    assert PRETRAINED_NAMES == ("smollm2",) and ARCHITECTURE_NAMES == ("llama", "gpt2")
+    assert PRETRAINED_NAMES == tuple(PRETRAINED) and {"smollm2", "gemma3"} <= set(PRETRAINED_NAMES)
+    assert ARCHITECTURE_NAMES == ("llama", "gpt2")
     with pytest.raises(ConfigError, match=r"^model.arch='mamba' is not one of llama, gpt2$"):
         architecture_config(ModelConfig(arch="mamba"), 32, {})
     with pytest.raises(ConfigError) as err:
         load_pretrained("smolm2", where="background.path")
     assert str(err.value) == ("background.path: 'smolm2' is neither a model folder nor a known model name "
-                              "(smollm2)")
+                              "(smollm2, gemma3)")

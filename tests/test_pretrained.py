@@ -212,7 +212,7 @@ def test_tiny_gguf_converts_exactly_and_is_reused_by_checksum(tmp_path, monkeypa
 
 
 def test_gguf_paths_through_load_pretrained_build_and_tokenizer(tmp_path):
-    from lightning_modules.pipeline.stages import model_tokenizer
+    from lightning_modules.pipeline.build import model_tokenizer
 
     gguf_file = tmp_path / "tiny.gguf"
     original = write_tiny_gguf(gguf_file)
