@@ -1,4 +1,4 @@
-"""Experts trained to be composable: task NLL plus the off-mask regularizer of METHOD.md §4.
+"""Experts trained to be composable: task NLL plus the off-mask regularizer of docs/method.md, the regularizer.
 
 Several experts train at once. With LoRA (default) they are adapters of one `PeftModel` on the frozen
 background, and a batch mixing the experts' rows is ONE forward with peft's per-row `adapter_names`; the
@@ -79,7 +79,7 @@ class ExpertSettings:
 
     Attributes:
         mode: "lora" (peft adapters), "full" (a full copy per expert) or "head" (a copy per expert whose output
-            layer alone trains: the linear setting of METHOD.md §2).
+            layer alone trains: the linear setting of docs/method.md, when the rule is exact).
         lora_r, lora_alpha, target_modules: the LoRA adapters' settings.
         lora_layers: the decoder layers that carry adapters (peft's `layers_to_transform`): None (all), `"top_L"`
             (the top L layers) or a tuple of layer indices; `target_modules="all-linear"` then means the linear
@@ -310,7 +310,7 @@ class ExpertLM(pl.LightningModule):
 
     def _copy_experts(self, background: PreTrainedModel) -> None:
         """`mode="full"` or `"head"`: a trainable copy per expert (its output layer alone for "head": logits are
-        then linear in the trained parameters, the setting where task arithmetic equals composition, METHOD.md
+        then linear in the trained parameters, the setting where task arithmetic equals composition, docs/method.md
         §2) beside the frozen background."""
         head = self.settings.mode == "head"
         if head and background.get_output_embeddings().weight is background.get_input_embeddings().weight:
@@ -337,7 +337,7 @@ class ExpertLM(pl.LightningModule):
     def expert_logits(self, input_ids: Tensor, attention_mask: Tensor, expert_index: Tensor,
                       position_ids: Tensor | None = None) -> Tensor:
         """Logits of each row's own expert ([B, T, V]): one mixed-adapter forward under LoRA. Position ids default
-        to the model's own (`compose.common.model_position_ids`)."""
+        to the model's own (`compose.positions.model_position_ids`)."""
         if position_ids is None:
             position_ids = model_position_ids(self._background_model, input_ids, attention_mask)
         if self.settings.mode == "lora":
@@ -684,11 +684,11 @@ def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[
 
 def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None) -> tuple[Head, Tensor]:
-    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.composed_lm._hidden_and_head`)."""
+    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.heads.hidden_and_head`)."""
     pair = hidden_and_head(model, input_ids, attention_mask, position_ids)
     if pair is None:
         raise ValueError(f"loss_chunk_size: the output head of {type(model).__name__} cannot be run on its own "
-                         "(see compose.composed_lm._hidden_and_head; a model inside a wrapper such as FSDP's has no "
+                         "(see compose.heads.hidden_and_head; a model inside a wrapper such as FSDP's has no "
                          "get_output_embeddings): set loss_chunk_size=None")
     return pair
 

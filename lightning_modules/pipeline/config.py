@@ -57,11 +57,11 @@ class ModelConfig:
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention
     gradient_checkpointing: bool = False  # activation checkpointing (non-reentrant), background and experts
     # token: an ordinary output layer | factored: token logit = sum of per-feature logits over the task's feature
-    # map (METHOD.md §2, feature space; a model built from scratch, LoRA experts): pipeline/feature_head.py
+    # map (docs/method.md, when the rule is exact, feature space; a model built from scratch, LoRA experts): pipeline/feature_head.py
     head: str = "token"
     # Positions in a Llama built from scratch: rope (rotary, base `rope_theta`) | nope (none: causal attention
     # alone tells order) | coupled (RoPE with output positions coupled to the input's: the step that predicts y_t
-    # one position before x_t, `compose.common.position_ids`) | auto (coupled where the task's outputs align with
+    # one position before x_t, `compose.positions.position_ids`) | auto (coupled where the task's outputs align with
     # its inputs, rope otherwise: `_couples_positions`; config.yaml records the choice). Stored in the model's
     # config, so a reloaded or exported model keeps them.
     position_encoding: str = "rope"
@@ -80,7 +80,7 @@ class BackgroundConfig:
     # An existing background (HF model folder, or an export folder's `background/`): skips training.
     path: str | None = None
     max_steps: int = 600
-    # Prefix corruption ρ (METHOD.md §5): teacher-forced output letters replaced at random, targets clean.
+    # Prefix corruption ρ (docs/method.md, prefixes the composition writes): teacher-forced output letters replaced at random, targets clean.
     # A number, or [low, high]: each row's rate drawn uniformly in that range (`data.collate.Collator`).
     corruption_prob: Any = 0.2
     # Random position offset of each training row, in [0, position_jump] (0: none), from the separator on (no
@@ -93,7 +93,7 @@ class BackgroundConfig:
 
 @dataclass
 class IntervalConfig:
-    """A skill interval (METHOD.md §2): open after `start` has been read, closed once `end` has been read.
+    """A skill interval (docs/method.md, when the rule is exact): open after `start` has been read, closed once `end` has been read.
     `regex: true` reads both as regular expressions over the decoded text (`compose.intervals`)."""
 
     start: str = "???"
@@ -162,7 +162,7 @@ class ExpertTrainingConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     max_steps: int = ExpertSettings.max_steps
     corruption_prob: Any = 0.2  # a number, or [low, high] (a rate per row), as background.corruption_prob
-    # The off-mask regularizer of METHOD.md §4: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
+    # The off-mask regularizer of docs/method.md, the regularizer: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
     reg_weight: float = ExpertSettings.reg_weight
     divergence: str = ExpertSettings.divergence  # forward_kl | reverse_kl | jsd | log_ratio (losses.DIVERGENCES)
     jsd_beta: float = ExpertSettings.jsd_beta

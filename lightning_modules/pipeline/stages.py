@@ -567,7 +567,7 @@ def length_sweep(task: Task, background: ComposedLM, module: ExpertLM | None, tr
 def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> dict:
     """The same experts merged in parameter space, scored on the compositional test set.
 
-    Also records how far task arithmetic's log-probs are from the composition's (METHOD.md §2: equal in
+    Also records how far task arithmetic's log-probs are from the composition's (docs/method.md, when the rule is exact: equal in
     the linear setting, apart elsewhere).
     """
     task, tok, bs, names = plan.task, plan.tokenizer, cfg.composition.eval_batch_size, plan.in_play
