@@ -1,7 +1,7 @@
 """Position ids as Hugging Face ``generate`` computes them, and coupled positions that restart at a token.
 
 A model whose config holds `POSITION_RESTART_KEY` couples its output positions to its input's (position coupling,
-``model.position_encoding: coupled``, README "Length generalization"): the t-th token after ``<bos>`` sits at 2t,
+``model.position_encoding: coupled``, docs/results/length.md): the t-th token after ``<bos>`` sits at 2t,
 the separator at 1 and the j-th token after it at 2j + 1. In ``<bos> x <sep> y`` the step that predicts ``y_t``
 (position 2t − 1) then sits one before ``x_t`` (2t), the same offset under RoPE at every length and after any edit
 of the prefix; the odd/even split leaves room to spread the input over random positions in training

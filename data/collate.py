@@ -36,7 +36,7 @@ class Collator:
     `corruption_ids` (a token outside that set by any token of it), so for outputs drawn from the set
     `corruption_prob` is exactly the expected fraction of changed tokens. A pair `(low, high)` draws each
     row's rate uniformly in `[low, high]`: light and heavy edit rates in one batch, as a k-way composition
-    writes them (README, "Experts that never met"). `targets` stay clean. Draws come
+    writes them (docs/results/separate.md). `targets` stay clean. Draws come
     from `generator` (default: torch's global RNG, which Lightning's `seed_everything` seeds and DataLoader
     workers reseed per worker); a list of generators, one per row, draws each row's corruption from its own
     (`data.sampler.SeededCollate` with `variants`): a row is then corrupted the same way in any batch.

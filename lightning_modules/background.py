@@ -21,7 +21,7 @@ class BackgroundLM(pl.LightningModule):
         lr, weight_decay, warmup_ratio: AdamW and its warm-up/cosine schedule.
         max_steps: length of the schedule (the Trainer's `max_steps`).
         position_jump: 0, or the largest random jump of each training row's position ids
-            (`training_position_ids`; README, "Length generalization"). Validation uses the model's own positions.
+            (`training_position_ids`; docs/results/length.md). Validation uses the model's own positions.
 
     Validation logs `val/nll` (mean over target tokens) and `val/teacher_forced_exact_match` (fraction of rows
     whose every target is the argmax), torchmetrics that reduce across the ranks of a distributed run.

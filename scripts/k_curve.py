@@ -1,5 +1,5 @@
 """Composed exact match against the number of experts k, one line per recipe, and decoding time per token against
-k beside it (issue 10, point 2; README "Experts that never met").
+k beside it (docs/results/separate.md).
 
     python scripts/k_curve.py --curve modular=runs/sep_k16_s0,runs/sep_k16_s1 \
         --curve co-trained=runs/cot_k2,runs/cot_k4,runs/cot_k16 --timing runs/sep_k16_s0/combined \

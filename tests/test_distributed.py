@@ -1,4 +1,4 @@
-"""Distributed on Lightning's engine (issue 12, point 3): `train.py` under `trainer.strategy=ddp` on 2 CPU processes.
+"""Distributed on Lightning's engine: `train.py` under `trainer.strategy=ddp` on 2 CPU processes.
 
 The slow tests run configs/trainer/ddp.yaml (with `accelerator=cpu`, `devices=2`, `precision=32-true`: gloo) on
 the fast config, trained long enough that the experts move the composition, once on two ranks and once in a single

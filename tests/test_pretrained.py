@@ -274,7 +274,7 @@ def test_smollm2_path_names_the_package(monkeypatch):
 
 def test_config_resolves_lora_targets_and_dtype():
     scratch = load_config()
-    assert list(scratch.expert.lora.target_modules) == LLAMA_LORA_TARGETS  # as before: identical adapters
+    assert list(scratch.expert.lora.target_modules) == LLAMA_LORA_TARGETS  # identical adapters
     assert scratch.model.dtype == "float32"  # pinned, so ablation sub-runs on `background.path` match
     assert load_config(overrides=["model.arch=gpt2"]).expert.lora.target_modules == "all-linear"
     for key in ("model.pretrained_path=smollm2", "background.path=some/folder"):

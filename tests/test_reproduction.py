@@ -1,6 +1,6 @@
 """Slow reproductions: the default experiment and the k-expert scaling runs, end to end through train.py.
 
-Thresholds are those of the project's targets (DESIGN.md, issue 4): each component ≥ 0.995 on held-out
+Thresholds are those of the project's targets: each component ≥ 0.995 on held-out
 data and the composition ≥ 0.995 on inputs that need both experts; ≥ 0.99 for 4 and 8 experts.
 """
 

@@ -85,8 +85,8 @@ class BackgroundConfig:
     corruption_prob: Any = 0.2
     # Random position offset of each training row, in [0, position_jump] (0: none), from the separator on (no
     # input-to-output distance can be learned as fixed) or, with model.position_encoding=coupled, from x_1 on (no
-    # output can tell its distance from <bos>): `lightning_modules.background.training_position_ids`; README,
-    # "Length generalization". The ids then reach max row length + position_jump (checked against the model's limit).
+    # output can tell its distance from <bos>): `lightning_modules.background.training_position_ids`;
+    # docs/results/length.md. The ids then reach max row length + position_jump (checked against the model's limit).
     position_jump: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -182,8 +182,8 @@ class ExpertTrainingConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=ExpertSettings.lr,
                                                                    weight_decay=ExpertSettings.weight_decay,
                                                                    warmup_ratio=ExpertSettings.warmup_ratio))
-    # null: the background runs on every batch; {top_k, variants}: a cache of its top-k log-probs (README,
-    # "Benchmarks"). Needs divergence forward_kl, reverse_kl or jsd.
+    # null: the background runs on every batch; {top_k, variants}: a cache of its top-k log-probs
+    # (docs/benchmarks/train_step.md). Needs divergence forward_kl, reverse_kl or jsd.
     background_cache: BackgroundCacheConfig | None = None
     # null: the task NLL and the regularizer take the full [B, T, V] logits. An integer c: they are computed c
     # positions at a time, each block's logits recomputed in backward (losses/chunked.py): the same losses with
@@ -431,8 +431,8 @@ def _merged(cfg: DictConfig, schema: DictConfig, source: str, update: DictConfig
 def _couples_positions(cfg: DictConfig) -> bool:
     """What `model.position_encoding=auto` means: coupled positions for a Llama built from scratch on a task whose
     outputs copy its inputs position by position (`outputs_align_with_inputs` of its settings: the letter task's
-    generative format), where they let experts trained apart compose and lengths generalize (README, "Experts that
-    never met", "Length generalization"); otherwise RoPE (a pretrained model keeps its own)."""
+    generative format), where they let experts trained apart compose and lengths generalize (docs/results/separate.md,
+    docs/results/length.md); otherwise RoPE (a pretrained model keeps its own)."""
     if is_pretrained(cfg) or cfg.model.arch != "llama":
         return False
     return bool(getattr(task_settings(cfg), "outputs_align_with_inputs", False))
