@@ -326,7 +326,7 @@ SIGNAL_RUN = [str(FAST), "background.max_steps=12", "expert.max_steps=9", "ablat
 # finishes the step it is in and saves there (not at the last validation); anything else stops at once.
 STOPS = [
     (signal.SIGINT, ("pause", "run/background step 5"), "background training (Ctrl-C)", ("background", 5)),
-    (signal.SIGTERM, ("pause", "run/experts step 4"), "expert training", ("experts", 4)),
+    (signal.SIGTERM, ("pause", "run/experts step 2"), "expert training, before its first validation", ("experts", 2)),
     (signal.SIGTERM, ("line", "[composition] decoding the test split: expert"), "the composition stage", None),
 ]
 
@@ -359,3 +359,4 @@ def test_sigterm_and_sigint_save_say_how_to_resume_and_exit_128_plus_the_signal(
     for log in ("logs/background", "logs/experts"):
         assert (out / log / "metrics.csv").read_text() == (reference / log / "metrics.csv").read_text(), log
     _assert_nothing_half_written(out)
+    assert not list(out.rglob("last-v*.ckpt"))  # one last.ckpt per stage, the one a resume reads

@@ -291,6 +291,9 @@ class SaveOnStop(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and trainer.training and not trainer.sanity_checking:
+            for callback in trainer.checkpoint_callbacks:  # its `last.ckpt` is this one: no `last-v1.ckpt` after it
+                if Path(callback.dirpath) == self.path.parent:
+                    callback.last_model_path = str(self.path)
             trainer.save_checkpoint(self.path, weights_only=False)
 
 
