@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -558,7 +558,46 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None) ->
     """The FastAPI application serving ``engine`` as the model ``model_name`` (bearer ``api_key`` if given)."""
     app = FastAPI(title="compose.serve", version="1", summary=f"OpenAI-compatible server of {model_name}")
     app.state.engine = engine
+    _add_error_handlers(app)
     created = int(time.time())
+    authorized = [Depends(_authorizer(api_key))]
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(engine, model_name, created)]}
+
+    @app.get("/v1/models/{model_id}", dependencies=authorized)
+    async def model(model_id: str) -> dict:
+        _check_model(model_id, model_name)
+        return _model_card(engine, model_name, created)
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, model_name)
+        call = _Call(engine, _completion_jobs(engine, body), request)
+        if body.stream:
+            return _sse(_completion_chunks(call, body, model_name))
+        await call.wait()
+        return _completion_response(call, body, model_name)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(body.model, model_name)
+        call = _Call(engine, _chat_jobs(engine, body), request)
+        if body.stream:
+            return _sse(_chat_chunks(call, body, model_name))
+        await call.wait()
+        return _chat_response(call, body, model_name)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error in OpenAI's format: the API's own, a malformed body, an unknown route or method, a crash."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -582,6 +621,10 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None) ->
         message = " ".join(f"{type(err).__name__}: {err}".split())
         return JSONResponse(APIError(500, message, kind="server_error").body(), status_code=500)
 
+
+def _authorizer(api_key: str | None) -> Callable[[Request], None]:
+    """The dependency of the ``/v1`` routes: 401 unless ``Authorization: Bearer api_key`` (anything without a key)."""
+
     def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -589,77 +632,57 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None) ->
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect or missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`)", "model",
-                           "model_not_found")
+    return authorize
 
-    def card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "compose",
-                "max_model_len": engine.max_model_len, "experts": list(engine.composed.names),
-                "weights": list(engine.default_weights), "composition": engine.default_mode}
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+def _check_model(name: str | None, model_name: str) -> None:
+    if name is not None and name != model_name:
+        raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`)", "model",
+                       "model_not_found")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> dict:
-        return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{model_id}", dependencies=[Depends(authorize)])
-    async def model(model_id: str) -> dict:
-        check_model(model_id)
-        return card()
+def _model_card(engine: Engine, model_name: str, created: int) -> dict:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "compose",
+            "max_model_len": engine.max_model_len, "experts": list(engine.composed.names),
+            "weights": list(engine.default_weights), "composition": engine.default_mode}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        body.check_supported()
-        if body.suffix:
-            raise APIError(400, "suffix is not supported by this server", "suffix")
-        if body.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported by this server", "best_of")
-        settings = _settings(engine, body)
-        prompts = _prompts(engine, body.prompt)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        if max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
-        jobs = []
-        for p, prompt in enumerate(prompts):
-            engine.check_length(prompt, max_tokens)
-            for j in range(body.n):
-                jobs.append(Job(prompt, max_tokens, settings, body.stops(), logprobs=body.logprobs,
-                                echo_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                                index=p * body.n + j))
-        call = _Call(engine, jobs, request)
-        if body.stream:
-            return _sse(_completion_chunks(call, body, model_name))
-        await call.wait()
-        return _completion_response(call, body, model_name)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(body: ChatRequest, request: Request):
-        check_model(body.model)
-        body.check_supported()
-        settings = _settings(engine, body)
-        messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
-        try:
-            prompt = encode_text(engine.tokenizer, chat_text(engine.tokenizer, messages))
-        except ValueError as err:
-            raise APIError(400, f"{err}; use /v1/completions", "messages") from None
-        limit = body.max_completion_tokens or body.max_tokens
-        max_tokens = limit if limit is not None else max(1, engine.max_model_len - len(prompt))
+def _completion_jobs(engine: Engine, body: CompletionRequest) -> list[Job]:
+    """The jobs of a completion request: ``n`` per prompt, indexed prompt by prompt; 400 for what is not served."""
+    body.check_supported()
+    if body.suffix:
+        raise APIError(400, "suffix is not supported by this server", "suffix")
+    if body.best_of not in (None, 1):
+        raise APIError(400, "best_of is not supported by this server", "best_of")
+    settings = _settings(engine, body)
+    prompts = _prompts(engine, body.prompt)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    jobs = []
+    for p, prompt in enumerate(prompts):
         engine.check_length(prompt, max_tokens)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = [Job(prompt, max_tokens, settings, body.stops(), logprobs=top, index=j) for j in range(body.n)]
-        call = _Call(engine, jobs, request)
-        if body.stream:
-            return _sse(_chat_chunks(call, body, model_name))
-        await call.wait()
-        return _chat_response(call, body, model_name)
+        for j in range(body.n):
+            jobs.append(Job(prompt, max_tokens, settings, body.stops(), logprobs=body.logprobs,
+                            echo_logprobs=echo_logprobs, index=p * body.n + j))
+    return jobs
 
-    return app
+
+def _chat_jobs(engine: Engine, body: ChatRequest) -> list[Job]:
+    """The ``n`` jobs of a chat request over its templated messages (default ``max_tokens``: the rest of the context)."""
+    body.check_supported()
+    settings = _settings(engine, body)
+    messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+    try:
+        prompt = encode_text(engine.tokenizer, chat_text(engine.tokenizer, messages))
+    except ValueError as err:
+        raise APIError(400, f"{err}; use /v1/completions", "messages") from None
+    limit = body.max_completion_tokens or body.max_tokens
+    max_tokens = limit if limit is not None else max(1, engine.max_model_len - len(prompt))
+    engine.check_length(prompt, max_tokens)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return [Job(prompt, max_tokens, settings, body.stops(), logprobs=top, index=j) for j in range(body.n)]
 
 
 def _validation_error(err: RequestValidationError) -> APIError:
