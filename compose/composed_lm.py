@@ -102,13 +102,65 @@ class ComposedLM(nn.Module):
             it is exact, False never, True or an error naming why it does not apply.
         shared_trunk: run the layers no expert adapts on the background's rows only (adapters backend): None
             (default) where it applies, False never, True or an error naming why it does not apply.
-        lazy: the default of :meth:`generate`'s ``lazy`` (gated composition skips the experts whose interval is
-            closed; ignored without gates); the front ends set it.
+        lazy: the default of :meth:`generate`'s ``lazy`` (see *Generation options*; gated composition skips the
+            experts whose interval is closed; ignored without gates); the front ends set it.
 
     Raises:
         ValueError: a component's vocabulary size or tokenizer differs from the background's (checked
             before any forward pass), weights/names have the wrong length, or a path forced with ``one_head=True``
             or ``shared_trunk=True`` does not apply.
+
+    Generation options (the keyword arguments of :meth:`generate`):
+        input_ids: ``[B, T]`` prompt ids. Right-padded rows (a tokenizer's default, e.g. SmolLM2's) are
+            moved to left padding first, so the output is right either way; its prompt part is then
+            left-padded, and the generated tokens are ``output[:, T:]`` in both cases.
+        attention_mask: ``[B, T]``; if None it is inferred: ``input_ids != pad`` when the pad token
+            differs from EOS; when pad = EOS, a leading run of it is padding and a row that *ends* with it
+            is refused (right padding cannot be told from an EOS there: pass the mask).
+        max_new_tokens: at most this many tokens are appended.
+        do_sample: sample (with ``generator``) instead of taking the argmax.
+        temperature, top_k, top_p: sampling warpers (transformers' logits processors) applied to the
+            composed log-probs; ignored when greedy.
+        eos_token_id: one or several ids that finish a sequence (default: tokenizer, else the
+            background's generation config); an empty list disables EOS stopping.
+        pad_token_id: fills finished sequences (default: tokenizer, generation config, else EOS).
+        gates: optional ``k`` callables ``gate(prefix_ids [B, t]) -> bool [B]`` (or None for an
+            always-on expert); where False that expert's factor is 1 for that row at this step. With
+            ``composition="gated"`` and no gates, each expert with an ``interval`` spec gets an
+            :class:`compose.gating.IntervalGate` over the tokens after the prompt.
+        generator: a ``torch.Generator`` for reproducible sampling.
+        stop_strings: a row also finishes once its generated text (the tokens after the prompt)
+            contains one of these strings (transformers' ``StopStringCriteria``); it is then padded
+            like a row that emitted EOS. The stop string stays in the output.
+        tokenizer: the tokenizer ``stop_strings`` are matched with (default: :attr:`tokenizer`).
+        lazy: with gates (gated composition), skip the forward of every expert whose gate is closed on all
+            unfinished rows; when it opens, a forward of the tokens it missed brings its KV cache up to
+            date (on the adapters backend inside the step's forward when they are at most
+            ``FUSED_CATCH_UP_TOKENS``). ``True``: the prompt too (an expert that never opens is never run);
+            ``"decode"``: every expert prefills the prompt with the background (as without lazy), only decoding
+            steps are skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
+            floating-point rounding of the logits); the adapters backend then runs the background and the
+            open experts as one batch of row blocks; with a shared trunk (:attr:`paths`) a catch-up runs only the
+            expert's own top layers, on the trunk outputs kept for it. Ignored without gates. None (default):
+            :attr:`lazy`, or False with ``compile``.
+        compile: run each decoding step through ``torch.compile`` (one graph, static shapes) on static KV caches
+            (transformers' ``StaticCache``, ``STATIC_CACHE_STEP``-token multiples); the prompt's forward stays
+            eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
+            on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
+            minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
+            floating-point rounding; not with ``lazy``; takes neither shortcut of :attr:`paths`. Checked by
+            :func:`check_compile`.
+        streamer: an object with transformers' streamer interface (``TextStreamer``,
+            ``TextIteratorStreamer``): ``put`` gets the (left-aligned) prompt ``[B, T]`` once, then each step's
+            tokens ``[B]`` (on the CPU, finished rows' as pad), and ``end()`` is called when decoding stops.
+        stopping_criteria: ``criteria(sequences [B, t], scores [B, V]) -> bool [B]`` after each step (transformers'
+            ``StoppingCriteriaList`` fits), with the prompt and the tokens so far and the step's composed scores;
+            a row where it is True finishes and is padded like one that emitted EOS.
+
+    :meth:`generate` raises ``ValueError`` for ``stop_strings`` or ``stopping_criteria`` without a pad or EOS id to
+    fill finished rows (``stop_strings`` also without a tokenizer); no ``attention_mask`` where pad = EOS and a row
+    ends with that token; ``lazy`` not one of ``LAZY``; ``compile`` with ``lazy`` or inside :meth:`packed_weights`,
+    or a string that is not a mode; and ``TypeError`` for a ``compile`` neither a bool nor a string.
     """
 
     def __init__(
@@ -712,66 +764,18 @@ class ComposedLM(nn.Module):
     ) -> LongTensor:
         """Decode from the composed model, one token at a time, with KV caches.
 
-        The prompt is prefilled once, then each step feeds only the new token (one forward of the
-        ``(k+1)·B`` mixed-adapter batch, or one forward per component). Left-padded prompts are handled
-        like Hugging Face ``generate`` (position ids from the attention mask, which keeps growing).
+        The prompt is prefilled once, then each step feeds only the new token (one forward of the ``(k+1)·B``
+        mixed-adapter batch, or one forward per component); left-padded prompts are handled like Hugging Face
+        ``generate``. Every argument is described under *Generation options* in :class:`ComposedLM`, with what
+        raises ``ValueError`` or ``TypeError``.
 
         Args:
-            input_ids: ``[B, T]`` prompt ids. Right-padded rows (a tokenizer's default, e.g. SmolLM2's) are
-                moved to left padding first, so the output is right either way; its prompt part is then
-                left-padded, and the generated tokens are ``output[:, T:]`` in both cases.
-            attention_mask: ``[B, T]``; if None it is inferred: ``input_ids != pad`` when the pad token
-                differs from EOS; when pad = EOS, a leading run of it is padding and a row that *ends* with it
-                is refused (right padding cannot be told from an EOS there: pass the mask).
-            max_new_tokens: at most this many tokens are appended.
-            do_sample: sample (with ``generator``) instead of taking the argmax.
-            temperature, top_k, top_p: sampling warpers (transformers' logits processors) applied to the
-                composed log-probs; ignored when greedy.
-            eos_token_id: one or several ids that finish a sequence (default: tokenizer, else the
-                background's generation config); an empty list disables EOS stopping.
-            pad_token_id: fills finished sequences (default: tokenizer, generation config, else EOS).
-            gates: optional ``k`` callables ``gate(prefix_ids [B, t]) -> bool [B]`` (or None for an
-                always-on expert); where False that expert's factor is 1 for that row at this step. With
-                ``composition="gated"`` and no gates, each expert with an ``interval`` spec gets an
-                :class:`compose.gating.IntervalGate` over the tokens after the prompt.
-            generator: a ``torch.Generator`` for reproducible sampling.
-            stop_strings: a row also finishes once its generated text (the tokens after the prompt)
-                contains one of these strings (transformers' ``StopStringCriteria``); it is then padded
-                like a row that emitted EOS. The stop string stays in the output.
-            tokenizer: the tokenizer ``stop_strings`` are matched with (default: :attr:`tokenizer`).
-            lazy: with gates (gated composition), skip the forward of every expert whose gate is closed on all
-                unfinished rows; when it opens, a forward of the tokens it missed brings its KV cache up to
-                date (on the adapters backend inside the step's forward when they are at most
-                ``FUSED_CATCH_UP_TOKENS``). ``True``: the prompt too (an expert that never opens is never run);
-                ``"decode"``: every expert prefills the prompt with the background (as without lazy), only decoding
-                steps are skipped, so a catch-up covers only generated tokens. Same tokens as without it (up to
-                floating-point rounding of the logits); the adapters backend then runs the background and the
-                open experts as one batch of row blocks; with a shared trunk (:attr:`paths`) a catch-up runs only the
-                expert's own top layers, on the trunk outputs kept for it. Ignored without gates. None (default):
-                :attr:`lazy`, or False with ``compile``.
-            compile: run each decoding step through ``torch.compile`` (one graph, static shapes) on static KV caches
-                (transformers' ``StaticCache``, ``STATIC_CACHE_STEP``-token multiples); the prompt's forward stays
-                eager. ``True`` uses torch's default mode; a string is the mode (``"reduce-overhead"``: CUDA graphs
-                on a GPU). The first call with a new batch size or cache length compiles (seconds on a toy model,
-                minutes on SmolLM2-135M on a CPU), later ones reuse it. Same tokens as eager decoding, up to
-                floating-point rounding; not with ``lazy``; takes neither shortcut of :attr:`paths`. Checked by
-                :func:`check_compile`.
-            streamer: an object with transformers' streamer interface (``TextStreamer``,
-                ``TextIteratorStreamer``): ``put`` gets the (left-aligned) prompt ``[B, T]`` once, then each step's
-                tokens ``[B]`` (on the CPU, finished rows' as pad), and ``end()`` is called when decoding stops.
-            stopping_criteria: ``criteria(sequences [B, t], scores [B, V]) -> bool [B]`` after each step (transformers'
-                ``StoppingCriteriaList`` fits), with the prompt and the tokens so far and the step's composed scores;
-                a row where it is True finishes and is padded like one that emitted EOS.
+            input_ids: ``[B, T]`` prompt ids, left- or right-padded (``attention_mask``: ``[B, T]``, else inferred).
+            max_new_tokens: at most this many tokens are appended (greedy unless ``do_sample``).
 
         Returns:
             ``[B, T + n]`` prompt plus generated tokens, ``n <= max_new_tokens`` (stops early once every
             sequence has emitted EOS or a stop string; finished rows are filled with ``pad_token_id``).
-
-        Raises:
-            ValueError: ``stop_strings`` without a tokenizer, or without a pad or EOS id to fill finished rows;
-                no ``attention_mask`` where pad = EOS and a row ends with that token; ``compile`` with ``lazy``
-                or inside :meth:`packed_weights`, or not a mode.
-            TypeError: ``compile`` neither a bool nor a string.
         """
         device = self.device
         eos, pad = self._special_tokens(eos_token_id, pad_token_id, device)
@@ -783,19 +787,26 @@ class ComposedLM(nn.Module):
         gates = self._gates(gates, prompt_len=input_ids.shape[1])
         choose = _token_chooser(do_sample, temperature, top_k, top_p, generator)
         stopper = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer, pad)
+        lazy, static_length, mode = self._decoding_choice(compile, lazy, gates is not None,
+                                                          input_ids.shape[1] + max_new_tokens)
+        with self._decoding(input_ids.shape[0], lazy, static_length, mode) as decode:
+            return self._decode(decode, input_ids, attention_mask, max_new_tokens, gates, choose,
+                                _Finishing(eos, pad, stopper, input_ids.shape[1], stopping_criteria), streamer)
+
+    def _decoding_choice(self, compile: bool | str, lazy: bool | str | None, gated: bool,
+                         length: int) -> tuple[bool | str, int | None, str | None]:
+        """:meth:`generate`'s ``compile`` and ``lazy``, checked and resolved for a ``length``-token context: the lazy
+        setting, the static cache length (None: eager), the ``torch.compile`` mode (None: torch's default)."""
         compile = check_compile(compile, packed_weights=self.__dict__.get("_packed", False))
         if lazy is None:  # the model's default yields to an explicit compile
             lazy = False if compile else self.lazy
         lazy = _check_lazy(lazy)
-        if gates is None:  # nothing to skip
+        if not gated:  # nothing to skip
             lazy = False
         if compile and lazy:
             raise ValueError("generate(compile=...) runs every component at every step: it does not combine with lazy")
-        static_length = static_cache_length(input_ids.shape[1] + max_new_tokens) if compile else None
-        mode = compile if isinstance(compile, str) else None  # True: torch's default mode
-        with self._decoding(input_ids.shape[0], lazy, static_length, mode) as decode:
-            return self._decode(decode, input_ids, attention_mask, max_new_tokens, gates, choose,
-                                _Finishing(eos, pad, stopper, input_ids.shape[1], stopping_criteria), streamer)
+        static_length = static_cache_length(length) if compile else None
+        return lazy, static_length, compile if isinstance(compile, str) else None
 
     def _decode(self, decode: PlainSteps | CompiledSteps | LazySteps, input_ids: Tensor, attention_mask: Tensor,
                 max_new_tokens: int, gates: Sequence[Gate | None] | None,
