@@ -115,3 +115,5 @@ def test_experts_carry_their_mask_spec():
         load_config(overrides=["experts=[{name: a, rules: {A: B}}, {name: a, rules: {C: D}}]"], base=DEFAULT)
     with pytest.raises(ConfigError, match=r"experts\[0\].name='a b'"):
         load_config(overrides=["experts=[{name: 'a b', rules: {A: B}}]"], base=DEFAULT)
+    with pytest.raises(ConfigError, match=r"^experts\[1\].name='composed' is reserved"):
+        load_config(overrides=["experts=[{name: a, rules: {A: B}}, {name: composed, rules: {C: D}}]"], base=DEFAULT)

@@ -201,6 +201,7 @@ def test_resume_with_a_config_that_changes_what_was_trained_is_refused_naming_th
     out = _saved_run(tmp_path)
     check_resume(resumed(out, "trainer.enable_progress_bar=true", "baselines=[]", "report=false",
                          "expert.lora.r=4"), out)  # presentation, later stages, and experts not begun yet
+    check_resume(resumed(out, "trainer.logger=tensorboard", "composition.lm_eval.limit=3"), out)  # what is logged
     with pytest.raises(ConfigError) as err:
         check_resume(resumed(out, "model.hidden_size=48", "model.arch=gpt2", "trainer.enable_progress_bar=true"), out)
     message = str(err.value)

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from compose.export import EXPERT_NAME_RE
 from lightning_modules.expert import MODES, REGULARIZERS, ExpertSettings
 
 
@@ -449,8 +450,10 @@ def _note_task_keys(task_sources: dict[str, str], loaded: DictConfig, source: st
         task_sources[key] = source
 
 
-# Expert and experiment names become folder and adapter names: the export's rule (`compose.export._NAME_RE`).
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Expert and experiment names become folder and adapter names: the export's rule.
+NAME_RE = EXPERT_NAME_RE
+# Names the logs give the other models beside the experts (`val/lm_eval/<task>/<metric>/<model>`).
+RESERVED_NAMES = ("background", "composed")
 NAME_RULE = "[A-Za-z0-9][A-Za-z0-9_.-]* (ASCII letters, digits, _ . -; not starting with _ . -)"
 BASELINES = ("task_arithmetic", "ties", "dare")
 # trainer.logger -> the package its Lightning logger needs (None: none beyond Lightning).
@@ -610,6 +613,9 @@ def _check_names(cfg: DictConfig) -> None:
     for i, name in enumerate(names):
         if name == "???" or not isinstance(name, str) or not NAME_RE.match(name):
             raise ConfigError(f"experts[{i}].name={name!r}: give each expert a name matching {NAME_RULE}")
+        if name in RESERVED_NAMES:
+            raise ConfigError(f"experts[{i}].name={name!r} is reserved (the logs name the background and the "
+                              "composition so): give the expert another name")
         weight = cfg.experts[i].weight
         if not _number(weight):
             raise _bad(f"experts[{i}].weight", weight, "a finite number (its composition weight)")

@@ -53,7 +53,8 @@ FREE_ON_RESUME = (
     "output_dir", "ckpt_path", "report", "ablations", "ablation_ks", "baselines", "data.num_workers",
     "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.val_check_interval",
     "trainer.limit_val_batches", "trainer.num_sanity_val_steps", "trainer.threads",
-    "composition.eval_batch_size", "composition.val_limit", "composition.active_threshold",
+    "composition.eval_batch_size", "composition.val_limit", "composition.active_threshold", "composition.lm_eval",
+    "trainer.logger",
 )
 # Keys only the expert stage reads: free until that stage has a checkpoint or an export.
 EXPERT_STAGE = ("expert", "composition.compose_with")
