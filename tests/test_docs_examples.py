@@ -26,12 +26,12 @@ def registries():
     from data.tasks import TASKS
     from losses.divergences import DIVERGENCES
 
-    tasks, divergences = dict(TASKS._classes), dict(DIVERGENCES)
+    tasks, divergences = set(TASKS), set(DIVERGENCES)
     yield
-    TASKS._classes.clear()
-    TASKS._classes.update(tasks)
-    DIVERGENCES.clear()
-    DIVERGENCES.update(divergences)
+    for name in set(TASKS) - tasks:  # built-in tasks loaded meanwhile stay registered
+        TASKS._classes.pop(name, None)
+    for name in set(DIVERGENCES) - divergences:
+        del DIVERGENCES[name]
 
 
 @pytest.mark.parametrize("page", PAGES)
