@@ -628,6 +628,9 @@ def _build_root(cfg: dict) -> None:
     before = {mount_id for mount_id, _, _ in _mounts()}
     try:
         _mount("tmpfs", _ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+        # The sample's /tmp first: an exposed folder under /tmp (an interpreter in /tmp/...) is then bound inside
+        # it instead of being hidden by it.
+        _mount_sample_tmp(cfg)
         for path, fd in sources:
             target = _ROOT + path
             os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
@@ -642,12 +645,7 @@ def _build_root(cfg: dict) -> None:
     for path, dest in links:
         os.makedirs(os.path.dirname(_ROOT + path), mode=0o755, exist_ok=True)
         os.symlink(dest, _ROOT + path)
-    for name in ("tmp", "proc"):
-        os.makedirs(f"{_ROOT}/{name}", mode=0o755, exist_ok=True)
-    owner = f",uid={cfg['uid']},gid={cfg['gid']}" if cfg["uid"] is not None else ""
-    size = max(1, int(cfg["limits"]["file_size_mb"]))
-    _mount("tmpfs", f"{_ROOT}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={size}m,nr_inodes=4096,mode=0700{owner}")
+    os.makedirs(f"{_ROOT}/proc", mode=0o755, exist_ok=True)
     _mount("proc", f"{_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
     _make_read_only(under=_ROOT, keep={f"{_ROOT}/tmp", f"{_ROOT}/proc"}, skip_ids=before)
     os.chdir(_ROOT)
@@ -657,6 +655,15 @@ def _build_root(cfg: dict) -> None:
     _call("pivot_root", _libc().syscall(_SYSCALLS[machine][1], b".", b"."), ".")
     _call("umount2", _libc().umount2(b".", MNT_DETACH), ".")
     os.chdir("/")
+
+
+def _mount_sample_tmp(cfg: dict) -> None:
+    """The sample's size-capped tmpfs /tmp (its working folder, the only writable place) in the new root."""
+    os.makedirs(f"{_ROOT}/tmp", mode=0o755, exist_ok=True)
+    owner = f",uid={cfg['uid']},gid={cfg['gid']}" if cfg["uid"] is not None else ""
+    size = max(1, int(cfg["limits"]["file_size_mb"]))
+    _mount("tmpfs", f"{_ROOT}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={size}m,nr_inodes=4096,mode=0700{owner}")
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
