@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from tiny_models import PAD, VOCAB, tiny_model
+from peft import LoraConfig
+from tiny_models import PAD, VOCAB, lora_experts, tiny_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from compose import ComposedLM
@@ -33,20 +33,9 @@ def layered_peft(layer_sets, head: bool = False, seed: int = 2):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
-    model = None
-    for i, layers in enumerate(layer_sets):
-        targets = TARGETS + (["lm_head"] if head and i == 0 else [])
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, layers_to_transform=layers)
-        if model is None:
-            model = get_peft_model(LlamaForCausalLM(config).eval(), lora, adapter_name=f"e{i}")
-        else:
-            model.add_adapter(f"e{i}", lora)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    loras = [LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS + (["lm_head"] if head and i == 0 else []),
+                        lora_dropout=0.0, layers_to_transform=layers) for i, layers in enumerate(layer_sets)]
+    return lora_experts(LlamaForCausalLM(config), loras, torch.Generator().manual_seed(seed + 1))
 
 
 def prompts(batch: int = 3, seed: int = 3):
@@ -225,18 +214,9 @@ def test_gemma3_sliding_window_layers_share_the_trunk():
                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                               sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
                               final_logit_softcapping=None, pad_token_id=PAD, eos_token_id=2, bos_token_id=1)
-    model = None
-    for i, layers in enumerate([[2, 3], [3]]):
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, layers_to_transform=layers)
-        if model is None:
-            model = get_peft_model(Gemma3ForCausalLM(config).eval(), lora, adapter_name=f"e{i}")
-        else:
-            model.add_adapter(f"e{i}", lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.3)
-    plain, fast = pair(model.eval(), 2, "adapters", "soft")
+    loras = [LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, layers_to_transform=layers)
+             for layers in ([2, 3], [3])]
+    plain, fast = pair(lora_experts(Gemma3ForCausalLM(config), loras), 2, "adapters", "soft")
     assert fast.paths.one_head and fast.paths.trunk_start == 2
     assert_same(plain, fast)
     plain.composition = fast.composition = "gated"

@@ -74,15 +74,19 @@ def mixed_lora_model(k: int = 3):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = None
-    for i, (r, alpha, targets) in enumerate(_ADAPTERS[:k]):
-        lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        if model is None:
-            model = get_peft_model(LlamaForCausalLM(cfg).eval(), lora, adapter_name=f"e{i}")
-        else:
-            model.add_adapter(f"e{i}", lora)
+    loras = [LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+             for r, alpha, targets in _ADAPTERS[:k]]
+    return lora_experts(LlamaForCausalLM(cfg), loras)
+
+
+def lora_experts(base, loras, generator: torch.Generator | None = None):
+    """`base` (a transformers causal LM) with one LoRA adapter `e0, e1, …` per config of `loras`, their B matrices
+    random (std 0.3, from `generator` or torch's global one) so no adapter is a no-op; in eval mode."""
+    model = get_peft_model(base.eval(), loras[0], adapter_name="e0")
+    for i, lora in enumerate(loras[1:], start=1):
+        model.add_adapter(f"e{i}", lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(std=0.3)
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
     return model.eval()
