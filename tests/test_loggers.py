@@ -68,7 +68,8 @@ def test_missing_package_is_one_line_naming_what_to_install_before_anything_is_w
         check_logger(name)
     lighter = " or the lighter tensorboardX" if name == "tensorboard" else ""
     assert str(err.value) == (f"trainer.logger={name} needs the {LOGGERS[name]} package, which is not installed: "
-                              f"pip install {LOGGERS[name]}{lighter} (or trainer.logger=csv)")
+                              f"pip install -e '.[{name}]' (the project's extra; or pip install {LOGGERS[name]}"
+                              f"{lighter}; or trainer.logger=csv)")
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=f"trainer.logger={name} needs"):
         plan_run(load_config([str(FAST)], [f"output_dir={out}", f"trainer.logger={name}"]))

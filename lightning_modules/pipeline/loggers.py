@@ -40,7 +40,8 @@ def check_logger(name: str) -> None:
     if not found:
         lighter = " or the lighter tensorboardX" if package == "tensorboard" else ""
         raise ConfigError(f"trainer.logger={name} needs the {package} package, which is not installed: "
-                          f"pip install {package}{lighter} (or trainer.logger=csv)")
+                          f"pip install -e '.[{name}]' (the project's extra; or pip install {package}{lighter}; "
+                          "or trainer.logger=csv)")
 
 
 def stage_loggers(cfg: DictConfig, out: Path, stage: str) -> list[Logger]:
