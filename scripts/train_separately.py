@@ -8,7 +8,10 @@
    background`). A config whose `background.path` names a pretrained background gives it to every run as is. Each run sees only the background, its own rule and the config's data settings: no
    `compose_with`, no other expert's rules (`expert.reg_data=composition` is refused: it would apply them).
 2. `compose.combine` checks the exports fit together and evaluates their composition on the task's compositional
-   test set; the combined export is written to `OUT/combined`.
+   test set; the combined export is written to `OUT/combined`. `--compare gated alone task_arithmetic ties dare`
+   decodes the same rows with each of these too (`compose.combine --compare`). `--train_only` stops after the
+   runs; `--run_test_limit N` lets each one-expert run decode only N compositional rows (the combination decodes
+   them all).
 3. `--subsets 2,4`: `--draws` random subsets of each size (seeded by the seed), each composed and evaluated.
 4. `--late SPEC`: an expert trained afterwards, in a new run with `seed=--late_seed`, joins the combined
    export (`OUT/combined_late`), as an expert trained a week later would.
@@ -40,12 +43,13 @@ def expert_node(spec: dict) -> str:
 
 
 def train_one(config: str, overrides: list[str], spec: dict, out: Path, background: Path | None,
-              seed: int | None = None) -> dict:
+              seed: int | None = None, test_limit: int | None = None) -> dict:
     """One expert, one run, one process; returns its `summary.json`."""
     summary = out / "summary.json"
     if not summary.is_file():
         cmd = [sys.executable, str(ROOT / "train.py"), config, *overrides, expert_node(spec), f"output_dir={out}",
-               "ablations=[]", "baselines=[]", "composition.compose_with=[]"]
+               "ablations=[]", "baselines=[]", "composition.compose_with=[]", "composition.gated=false",
+               *([f"composition.test_limit={test_limit}"] if test_limit else [])]
         if background is not None:
             cmd.append(f"background.path={background}")
         if seed is not None:
@@ -64,11 +68,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--late", default=None, help="an expert (YAML mapping) trained afterwards that joins")
     parser.add_argument("--late_seed", type=int, default=None, help="its run's seed (default: the seed + 1000)")
     parser.add_argument("--limit", type=int, default=None, help="compositional test rows to evaluate (default all)")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="METHOD",
+                        help="also decode the combination's test rows with these (compose.combine --compare: gated, "
+                             "alone, background, task_arithmetic, ties, dare)")
+    parser.add_argument("--train_only", action="store_true",
+                        help="train (or find) the runs and stop: compose them later with compose.combine")
+    parser.add_argument("--run_test_limit", type=int, default=None,
+                        help="compositional test rows each one-expert run decodes (composition.test_limit; "
+                             "default all): the combination is evaluated on all of them")
     args, overrides = parser.parse_known_args(argv)
     if any("=" not in o for o in overrides):
         parser.error(f"unrecognized arguments: {' '.join(o for o in overrides if '=' not in o)} (overrides are KEY=VALUE)")
 
-    from compose.frontends.combine import combine_exports
+    from compose.frontends.combine import COMPARE_METHODS, combine_exports
+
+    unknown = [m for m in args.compare if m not in COMPARE_METHODS]
+    if unknown:
+        parser.error(f"--compare: unknown method(s) {', '.join(unknown)}; known: {', '.join(COMPARE_METHODS)}")
     from lightning_modules.pipeline.config import ConfigError, load_config
 
     try:
@@ -89,13 +105,19 @@ def main(argv: list[str] | None = None) -> dict:
     for spec in specs:
         out = runs / spec["name"]
         summaries[spec["name"]] = train_one(args.config, overrides, spec, out,
-                                            first / "background" if trained_background and out != first else None)
+                                            first / "background" if trained_background and out != first else None,
+                                            test_limit=args.run_test_limit)
+    if args.train_only:
+        print(f"[separately] trained: {', '.join(summaries)} (runs in {runs})")
+        return {"alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}}
     exports = {name: runs / name / "export" for name in summaries}
     results: dict = {"config": args.config, "overrides": overrides, "seed": cfg.seed,
                      "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}, "compositions": []}
 
-    def compose(names: list[str], paths: list[Path], out: Path | None = None) -> float:
+    def compose(names: list[str], paths: list[Path], out: Path | None = None, compare: list[str] = ()) -> float:
         kwargs: dict = {"overwrite": True} if out is not None else {}
+        if compare:
+            kwargs["compare_with"] = compare
         min_len = OmegaConf.select(cfg, "task.min_len")
         if min_len is not None and len(names) > min_len and OmegaConf.select(cfg, "task.compositional_min_experts") \
                 is None:  # every expert's source in every test input: the shortest inputs must hold them all
@@ -106,12 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
         em = r["metrics"]["exact_match"]
         results["compositions"].append({"experts": names, "k": len(names), "exact_match": em, "n_test": r["n_test"],
                                         **({"test_settings": kwargs["test_settings"]} if "test_settings" in kwargs
-                                           else {})})
+                                           else {}), **({"compare": r["compare"]} if "compare" in r else {})})
         print(f"[separately] k={len(names)} {'+'.join(names)}: exact_match={em:.4f} (n={r['n_test']})", flush=True)
         return em
 
     combined = args.out / "combined"
-    compose(list(exports), list(exports.values()), combined)
+    compose(list(exports), list(exports.values()), combined, args.compare)
     rng = random.Random(cfg.seed)
     for size in [int(s) for s in args.subsets.split(",") if s]:
         for _ in range(args.draws):
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         spec = yaml.safe_load(args.late)
         late_seed = cfg.seed + 1000 if args.late_seed is None else args.late_seed
         s = train_one(args.config, overrides, spec, runs / spec["name"],
-                      first / "background" if trained_background else None, late_seed)
+                      first / "background" if trained_background else None, late_seed, args.run_test_limit)
         results["alone"][spec["name"]] = s["experts"][spec["name"]]["exact_match"]
         results["late"] = {"name": spec["name"], "seed": late_seed}
         compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late")

@@ -215,3 +215,29 @@ def test_overlapping_masks_combine_when_allowed_and_are_noted(runs, tmp_path):
     other = copy_export(runs[1] / "export", tmp_path / "overlap", read_a)
     combination = check_exports([runs[0] / "export", other], allow_overlap=True)
     assert any("'A' is shared" in note for note in combination.notes)
+
+
+def test_compare_decodes_the_same_rows_with_each_method(runs, tmp_path):
+    """`compare_with`: the other ways to use the same experts, on the rows the composition was scored on; each
+    expert alone is that expert's own adapter, and a merge leaves no adapter behind."""
+    from data.tasks import Expert
+    from data.tasks.letters import LettersConfig, LettersTask
+
+    e0, e1 = runs[0] / "export", runs[1] / "export"
+    result = combine_exports([e0, e1], limit=16, batch_size=16,
+                             compare_with=["soft", "alone", "background", "task_arithmetic", "ties"])
+    compared = result["compare"]
+    assert list(compared) == ["soft", "alone/A_to_B", "alone/C_to_D", "background", "task_arithmetic", "ties"]
+    assert compared["soft"]["exact_match"] == pytest.approx(result["metrics"]["exact_match"])
+    for entry in compared.values():
+        lo, hi = entry["exact_match_ci95"]
+        assert entry["exact_match_n"] == 16 and lo <= entry["exact_match"] <= hi
+
+    loaded = load_export(e0)  # the reference: expert A_to_B alone, the task rebuilt here
+    task = LettersTask(LettersConfig(n_train=256, n_val=32, n_test=32),
+                       [Expert("A_to_B", {"rules": {"A": "B"}}), Expert("C_to_D", {"rules": {"C": "D"}})], seed=0)
+    alone = ComposedLM.from_peft(loaded.experts, ["A_to_B"], tokenizer=loaded.tokenizer)
+    expected = task.evaluate_composition(alone, task.compositional_dataset("test").select(range(16)), 16)
+    assert compared["alone/A_to_B"]["exact_match"] == pytest.approx(expected["exact_match"])
+    with pytest.raises(CombineError, match="unknown method.*nope"):
+        combine_exports([e0, e1], limit=2, compare_with=["nope"])

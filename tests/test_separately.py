@@ -90,7 +90,7 @@ def test_a_pretrained_background_is_every_runs_own(tmp_path, monkeypatch):
 
     module, given = _script(), {}
 
-    def train_one(config, overrides, spec, out, background, seed=None):
+    def train_one(config, overrides, spec, out, background, seed=None, test_limit=None):
         given[spec["name"]] = background
         out.mkdir(parents=True, exist_ok=True)
         return {"experts": {spec["name"]: {"exact_match": 1.0}}}

@@ -306,7 +306,7 @@ def bad_cases(tmp_path: Path, tok) -> dict[str, tuple]:
         return lambda: make_task(tok, exps=[Expert("calc", {"interval": kw.pop("spec", CALC)}, data=(path,))],
                                  cfg=kw.pop("cfg", None), **kw)
 
-    comp = write(tmp_path, "comp.jsonl", [{"prompt": "p\n", "response": "<<1+1=2>>2"},
+    comp = write(tmp_path, "comp.jsonl", [{"prompt": "p\n", "response": "none here"},
                                           {"prompt": "p\n", "response": "no interval here"}])
     no_template = build_tokenizer(chat_template=None)
     return {
@@ -338,7 +338,7 @@ def bad_cases(tmp_path: Path, tok) -> dict[str, tuple]:
                                  r"chat\.jsonl line 1: messages have no assistant message"),
         "compositional row without interval": (
             lambda: make_task(tok, config(compositional=[comp])),
-            r"comp\.jsonl line 2: compositional row holds no interval of any expert \(calc, upper\)"),
+            r"comp\.jsonl: no compositional row holds an interval of any expert \(calc, upper\)"),
         "reg_data composition": (lambda: make_task(tok, reg_data="composition"), r"reg_data=composition"),
         "trained expert without data": (lambda: make_task(tok, exps=experts(upper_data=())),
                                         r"experts\[1\] \(upper\)\.data is empty"),

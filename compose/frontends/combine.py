@@ -57,12 +57,14 @@ from compose.export import (
     verify_export,
     write_manifest,
 )
+from compose.merges import MERGE_METHODS, merge_adapters
 from compose.model_card import write_model_card
 from compose.model_io import load_tokenizer
 from compose.quiet import ignore_loading_noise
 from compose.vocab import tokenizer_signature
 from data.tasks import Expert, Task, TaskError, settings_from_node
 from lightning_modules.pipeline.build import new_task
+from lightning_modules.pipeline.report import wilson_interval
 
 # Task settings that only shape training rows (rows per expert, how often a source is planted) or the run's own
 # length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still share one compositional
@@ -336,6 +338,69 @@ def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | Non
     return {"n_test": len(dataset), **metrics}
 
 
+# Methods `compare` can decode beside the composition (`combine_exports(..., compare=...)`, `--compare`).
+COMPARE_METHODS = ("soft", "gated", "alone", "background", *MERGE_METHODS)
+
+
+def compare(combination: Combination, composed: ComposedLM, methods: Sequence[str], *, limit: int | None = None,
+            batch_size: int = 250) -> dict[str, dict[str, float]]:
+    """Other ways to use the same experts, each on the same compositional test rows (`Task.evaluate_composition`:
+    exact match, per-skill accuracy, off-interval KL, general perplexity):
+
+    `soft` / `gated`: the composition, every expert everywhere / each only inside its interval (lazy: an expert
+    runs once its interval opens); `alone`: each expert by itself (`alone/<name>`), the denominator of "the
+    composition keeps each skill"; `background`: no expert; `task_arithmetic`, `ties`, `dare`: the LoRA adapters
+    merged in parameter space (peft's `add_weighted_adapter`, `compose.merges`; the merge is dropped afterwards).
+    `composed` must be the combination's, loaded with the adapters backend for the merges."""
+    unknown = [m for m in methods if m not in COMPARE_METHODS]
+    if unknown:
+        raise CombineError(f"compare: unknown method(s) {', '.join(unknown)}; known: {', '.join(COMPARE_METHODS)}")
+    if composed.backend != "adapters" and any(m in MERGE_METHODS for m in methods):
+        raise CombineError("compare: merges need every expert to be a LoRA adapter (one PeftModel)")
+    task, tok = combination.task, composed.tokenizer
+    dataset = task.compositional_dataset("test")
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))
+
+    def of_adapters(names: list[str], **kwargs) -> ComposedLM:
+        if composed.backend == "adapters":
+            return ComposedLM.from_peft(composed.model, names, tokenizer=tok, **kwargs)
+        picked = [composed.experts[composed.names.index(n)] for n in names]
+        return ComposedLM(composed.background, picked, names=names, tokenizer=tok, **kwargs)
+
+    results: dict[str, dict[str, float]] = {}
+    for method in methods:
+        print(f"[combine] compare: {method} on {len(dataset)} compositional test rows", flush=True)
+        if method in ("soft", "gated"):
+            model = of_adapters(composed.names, weights=composed.weights, specs=composed.specs,
+                                composition=method, lazy=method == "gated")
+            results[method] = task.evaluate_composition(model, dataset, batch_size)
+        elif method == "alone":
+            for i, name in enumerate(composed.names):
+                model = of_adapters([name], weights=[composed.weights[i]])
+                results[f"alone/{name}"] = task.evaluate_composition(model, dataset, batch_size)
+        elif method == "background":
+            results[method] = task.evaluate_composition(of_adapters([]), dataset, batch_size)
+        else:
+            merged = merge_adapters(composed.model, composed.names, method, weights=composed.weights,
+                                    seed=combination.seed)
+            try:
+                results[method] = task.evaluate_composition(of_adapters([merged]), dataset, batch_size)
+            finally:
+                composed.model.delete_adapter(merged)
+    return {name: _with_ci95({"exact_match_n": len(dataset), **entry}) for name, entry in results.items()}
+
+
+def _with_ci95(entry: Mapping[str, float]) -> dict[str, Any]:
+    """`<key>_ci95` (95 % Wilson interval) beside every fraction `<key>` whose count `<key>_n` the entry holds."""
+    out: dict[str, Any] = dict(entry)
+    for key, value in entry.items():
+        n = entry.get(f"{key}_n")
+        if isinstance(n, int) and n > 0 and isinstance(value, int | float) and 0.0 <= value <= 1.0:
+            out[f"{key}_ci95"] = list(wilson_interval(round(value * n), n))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the command
 
 
@@ -343,14 +408,17 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
                     composition: str = "soft", limit: int | None = None, batch_size: int = 250,
                     seed: int | None = None, background: str = "copy", overwrite: bool = False,
                     device: str | torch.device | None = None, active_threshold: float = 0.01,
-                    allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None) -> dict:
+                    allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None,
+                    compare_with: Sequence[str] = ()) -> dict:
     """Check the exports compose (`check_exports`), evaluate their composition on the task's compositional test
     split, and with `out` write the combined export (atomically, evaluated from its own files before it is moved
     into place; `metrics.json` inside). Without `out`, the composition is loaded from a scratch export that
-    references the first export's background.
+    references the first export's background. `compare_with`: other methods decoded on the same rows (`compare`),
+    under `"compare"`.
 
     Returns:
-        `{"exports", "experts", "k", "task", "seed", "composition", "n_test", "metrics", "notes", "out"}`.
+        `{"exports", "experts", "k", "task", "seed", "composition", "n_test", "metrics", "notes", "out"}` (and
+        `"compare"`).
 
     Raises:
         CombineError: the exports do not fit together (see `check_exports`), or `out` exists (without
@@ -377,6 +445,8 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
         metrics = evaluate(combination, composed, limit=limit, batch_size=batch_size,
                            active_threshold=active_threshold)
         result.update(n_test=metrics.pop("n_test"), metrics=metrics, notes=combination.notes)
+        if compare_with:
+            result["compare"] = compare(combination, composed, compare_with, limit=limit, batch_size=batch_size)
 
     if out is None:
         with tempfile.TemporaryDirectory(prefix="combine-") as scratch:
@@ -417,6 +487,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="accept experts whose masks may overlap (noted), as composition.allow_overlap in train.py")
     p.add_argument("--test_setting", action="append", default=[], metavar="KEY=VALUE",
                    help="a task setting changed for the test split only (YAML value; repeatable), e.g. min_len=9")
+    p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_METHODS, metavar="METHOD",
+                   help=f"also decode the same rows with: {', '.join(COMPARE_METHODS)} (alone: each expert by itself; "
+                        "the merges need LoRA experts)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -436,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = combine_exports(args.exports, args.out, composition=args.composition, limit=args.limit,
                                  batch_size=args.batch_size, seed=args.seed, background=args.background,
                                  overwrite=args.overwrite, device=device, allow_overlap=args.allow_overlap,
-                                 test_settings=test_settings)
+                                 test_settings=test_settings, compare_with=args.compare)
     except (CombineError, FileExistsError) as err:
         print(f"compose.combine: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
@@ -446,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = result["metrics"]
     print(f"composed {result['k']} experts ({', '.join(result['experts'])}) from {len(result['exports'])} exports: "
           f"exact_match={m['exact_match']:.4f} on {result['n_test']} compositional test rows ({result['composition']})")
+    for name, entry in result.get("compare", {}).items():
+        ci = entry.get("exact_match_ci95")
+        print(f"  {name}: exact_match={entry['exact_match']:.4f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
     for note in result["notes"]:
         print(f"note: {note}")
     print(json.dumps(result, indent=2))

@@ -219,6 +219,11 @@ class CompositionConfig:
     eval_batch_size: int = 250
     # Validation-time composition: how many compositional val inputs to decode (None: all).
     val_limit: int | None = 200
+    # The final evaluation also decodes the compositional test rows gated (experts with an interval act only
+    # inside it); off saves that pass (e.g. the one-expert runs of scripts/train_separately.py).
+    gated: bool = True
+    # The final evaluation's compositional test rows: the first N only (None: all of them).
+    test_limit: int | None = None
     lm_eval: LMEvalConfig = field(default_factory=LMEvalConfig)
 
 
@@ -500,6 +505,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "composition.active_threshold": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "composition.eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "composition.val_limit": (lambda v: v is None or (_int(v) and v >= 1), "null (all) or an integer >= 1"),
+    "composition.test_limit": (lambda v: v is None or (_int(v) and v >= 1), "null (all) or an integer >= 1"),
     "composition.lm_eval.limit": (lambda v: v is None or (_int(v) and v >= 1) or (_number(v) and 0 < v < 1),
                                   "null (all), an integer >= 1 (examples per task) or a fraction in (0, 1)"),
     "composition.lm_eval.batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),

@@ -514,6 +514,8 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         renamed = {"skill_accuracy": "skill_accuracy_alone", "skill_accuracy_n": "skill_accuracy_alone_n"}
         summary["experts"][name] = {renamed.get(k, k): v for k, v in alone.items()}
     test_set = task.compositional_dataset("test")
+    if cfg.composition.test_limit is not None and cfg.composition.test_limit < len(test_set):
+        test_set = test_set.select(range(cfg.composition.test_limit))
     composed = sharded(module.composed_model(tok))
     console.stage("composition", f"decoding {len(test_set)} compositional test rows: {', '.join(plan.in_play)}")
     results = task.composition_metrics(composed, test_set, bs, cfg.composition.active_threshold)
@@ -535,7 +537,7 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
     if features:  # a feature-space task (`compose.features.feature_metrics`)
         summary["composition"]["features"] = features
     summary |= length_sweep(task, background, module, plan.trained, bs)
-    if any("interval" in plan.specs[n] for n in plan.in_play):
+    if cfg.composition.gated and any("interval" in plan.specs[n] for n in plan.in_play):
         # Gated: each expert's factor only where its stopping-time detector says its interval is open.
         # Lazy: an expert runs only once its interval opens (the same tokens, fewer forwards).
         composed.specs, composed.composition = [plan.specs[n] for n in composed.names], "gated"
