@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -187,6 +189,8 @@ class ExportForComposition(pl.Callback):
         task = getattr(trainer.datamodule, "task", None)
         if isinstance(task, Task):
             extra.setdefault("task_settings", settings_node(task))
+        # the exact shortcuts the composition of these experts takes when loaded (ComposedLM.paths)
+        extra["decoding_paths"] = dataclasses.asdict(pl_module.composed_model(self.tokenizer).paths)
         common = dict(tokenizer=self.tokenizer, background=background, background_ref=ref,
                       weights={n: self.weights.get(n, 1.0) for n in names},
                       specs={n: self.specs.get(n, {}) for n in names}, extra=extra, overwrite=self.overwrite)

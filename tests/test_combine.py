@@ -3,6 +3,7 @@ written as one export; and each reason two exports do not combine, as one line a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -78,6 +79,10 @@ def test_separate_runs_combine_into_one_export_that_composes_as_one_model(runs, 
     manifest = load_manifest(out)
     assert "metrics.json" in manifest["checksums"] and manifest["background"] == {"path": "background"}
     assert [s["experts"] for s in manifest["extra"]["combined_from"]] == [["A_to_B"], ["C_to_D"]]
+    # the exact shortcuts the composition takes are recorded, as each run's export recorded its own
+    assert manifest["extra"]["decoding_paths"] == result["decoding_paths"] == dataclasses.asdict(combined.paths)
+    assert set(load_manifest(e0)["extra"]["decoding_paths"]) == {"one_head", "one_head_why", "trunk_start",
+                                                                 "num_layers", "trunk_why"}
     # A combined export is an input again (an expert trained later would join it), and --out is never overwritten.
     again = combine_exports([out], limit=8, batch_size=8)
     assert again["experts"] == ["A_to_B", "C_to_D"] and again["n_test"] == 8

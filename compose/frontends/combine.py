@@ -442,6 +442,7 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
 
     def run(folder: Path) -> None:
         composed = load_composed(folder, composition=composition, device=device)
+        result["decoding_paths"] = dataclasses.asdict(composed.paths)  # the exact shortcuts it takes (ComposedLM.paths)
         metrics = evaluate(combination, composed, limit=limit, batch_size=batch_size,
                            active_threshold=active_threshold)
         result.update(n_test=metrics.pop("n_test"), metrics=metrics, notes=combination.notes)
@@ -460,7 +461,8 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
         manifest = assemble(combination, tmp, background)
         run(tmp)
         (tmp / METRICS_NAME).write_text(json.dumps({**result, "out": str(out)}, indent=2) + "\n")
-        write_manifest(tmp, manifest["background"], manifest["experts"], manifest["extra"])  # lists metrics.json
+        extra = {**manifest["extra"], "decoding_paths": result["decoding_paths"]}
+        write_manifest(tmp, manifest["background"], manifest["experts"], extra)  # lists metrics.json
         write_model_card(tmp, metrics={"composition": result["metrics"]}, title=Path(out).name)
 
     atomic_save(write, Path(out), overwrite)
