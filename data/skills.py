@@ -7,6 +7,7 @@ answer the span done right:
 * `upper`     `[...]`    the words in capitals:     `[good night]`    ->  `[GOOD NIGHT]`
 * `reverse`   `«...»`    the word spelled backwards: `«kite»`          ->  `«etik»`
 * `translate` `{...}`    English to French from `FRENCH`: `{cat}`     ->  `{chat}`
+* `unit`      `⟦...⟧`    the quantity in the smaller unit: `⟦5 km=⟧` ->  `⟦5 km=5000 m⟧` (km, kg, L; x 1000)
 
 Each `Skill` carries a `draw` (a seeded random input and its right span) and a `verify` (a pure function:
 given the span's input and a model's span, is it right?). `check_row` checks a reference row with the
@@ -38,6 +39,8 @@ FRENCH = {"cat": "chat", "dog": "chien", "house": "maison", "bread": "pain", "wa
           "white": "blanc", "small": "petit"}
 CALC_OPS = ("add", "add2", "mul", "mul32")
 _CALC = re.compile(r"(\d+)([+*])(\d+)=")
+UNITS = {"km": "m", "kg": "g", "L": "mL"}  # each unit and the unit a thousandth of it
+_UNIT = re.compile(r"(\d+) (km|kg|L)=")
 
 
 class SkillError(ValueError):
@@ -94,6 +97,12 @@ def verify_translate(source: str, span: str) -> bool:
     return source in FRENCH and span == FRENCH[source]
 
 
+def verify_unit(source: str, span: str) -> bool:
+    """`5 km=` answered by `5 km=5000 m`: the quantity copied, then the same in the smaller unit."""
+    m = _UNIT.fullmatch(source)
+    return m is not None and span == f"{source}{int(m[1]) * 1000} {UNITS[m[2]]}"
+
+
 # --- the draws -------------------------------------------------------------------------------------
 def calc_span(rng: random.Random, op: str) -> tuple[str, str]:
     """`("a+b=", "c")`: the operands the sentence shows, and the exact result. `op`: `add` (two-digit +
@@ -113,6 +122,13 @@ def word_span(rng: random.Random) -> tuple[str, str]:
     """`("red kite", "RED KITE")`: one or two words, and the same in capitals."""
     words = " ".join(rng.sample(WORDS, rng.randint(1, 2)))
     return words, words.upper()
+
+
+def unit_span(rng: random.Random) -> tuple[str, str]:
+    """`("5 km=", "5 km=5000 m")`: 2 to 99 km, kg or L, and the same quantity in m, g or mL after the = sign."""
+    amount, unit = rng.randint(2, 99), rng.choice(tuple(UNITS))
+    source = f"{amount} {unit}="
+    return source, f"{source}{amount * 1000} {UNITS[unit]}"
 
 
 def make_skill(name: str, op: str = "add") -> Skill:
@@ -138,10 +154,13 @@ def make_skill(name: str, op: str = "add") -> Skill:
             return word, FRENCH[word]
         return Skill("translate", "{", "}", draw_translate, verify_translate,
                      "Repeat the message; translate the English word inside { } into French.")
+    if name == "unit":
+        return Skill("unit", "⟦", "⟧", unit_span, verify_unit,
+                     "Repeat the message; inside ⟦ ⟧ write the quantity in the smaller unit after the = sign.")
     raise SkillError(f"unknown skill {name!r}: choose from {', '.join(SKILL_NAMES)}")
 
 
-SKILL_NAMES = ("calc", "upper", "reverse", "translate")
+SKILL_NAMES = ("calc", "upper", "reverse", "translate", "unit")
 
 
 # --- checks and scores -----------------------------------------------------------------------------

@@ -3,6 +3,8 @@
     python scripts/make_skill_data.py --out configs/experiment/data/smollm2_skills --seed 0
     python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
+    python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
+        --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper --late unit
     python scripts/make_skill_data.py --out configs/experiment/data/skills4_plain --seed 0 --format plain \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
 
@@ -10,8 +12,10 @@ write the rows of `configs/experiment/smollm2_skills.yaml` (two skills; defaults
 --op add --skills calc upper`) and of `configs/experiment/smollm2_skills4.yaml` (four skills; 608 rows per file =
 208 training rows + 400 held out, 800 compositional rows = 400 validation + 400 test) and its two-expert variant
 `smollm2_skills4_k2.yaml` (`compositional_calc_upper.jsonl`), and the same rows as plain prompt/response rows
-for `configs/experiment/gemma3_skills4.yaml` and `gemma3_skills4_k2.yaml`, byte for byte the same for
-the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
+for `configs/experiment/gemma3_skills4.yaml` and `gemma3_skills4_k2.yaml`. The third command adds, next to the
+four-skill files and without rewriting them, the rows of a fifth expert trained after those four: `unit.jsonl`
+(608 rows) and `compositional_late.jsonl` (800 rows, each needing `unit` and one to three of the four others),
+the test set of the composition of all five. Every file is byte for byte the same for the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
 The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
 
@@ -26,6 +30,8 @@ The skills (`data.skills`: delimiters, draws, and a verifier per skill that chec
   `Mia spelled «etik» backwards.`
 * `translate` `{...}`: an English word (of 40) in French: `Leo said {cat} in French.` becomes
   `Leo said {chat} in French.`
+* `unit` `⟦...⟧`: 2 to 99 km, kg or L that the answer writes in m, g or mL after the = sign:
+  `The note says ⟦5 km=⟧.` becomes `The note says ⟦5 km=5000 m⟧.`
 
 How well the frozen background does each skill on its own, prompted with the skill's instruction as the system
 line and four worked rows (chat turns) before the row, greedy, 40 rows per skill, 95 % Wilson intervals
@@ -40,7 +46,8 @@ line and four worked rows (chat turns) before the row, greedy, 40 rows per skill
 | reverse | 0 / 40 | 0.0 % | [0.0 %, 8.8 %] |
 | translate | 0 / 40 | 0.0 % | [0.0 %, 8.8 %] |
 
-Asked for `«bucket»` backwards it writes `«bacchos»`; asked for `{flower}` in French, `{petite}`.
+Asked for `«bucket»` backwards it writes `«bacchos»`; asked for `{flower}` in French, `{petite}`. `unit` is not
+measured.
 
 Files (each expert owns the interval after its start delimiter: the span's text and the end delimiter):
 
@@ -53,6 +60,12 @@ Files (each expert owns the interval after its start delimiter: the span's text 
   size (so every pair occurs, alone and inside larger sets), the spans in a random order.
 * `compositional_<a>_<b>.jsonl` (`--pair a b`): sentences of that kind needing exactly the skills `a` and `b`,
   for a composition of those two experts alone.
+* `<late>.jsonl` and `compositional_late.jsonl` (`--late SKILL`, a skill not among `--skills`, for an expert
+  trained after theirs; only these two files are written): the late expert's rows (`--n`), and
+  `--n_compositional` rows each needing the late skill and 1, 2 or 3 of the others, shared equally between
+  those numbers and within one number equally between the sets of that size (so every other skill occurs with
+  it), the spans in a random order. The other files of the same arguments are drawn, not written, so that no
+  new sentence repeats one of theirs.
 
 Every row is a chat (`messages`, rendered with SmolLM2's chat template): a short system line, the user's
 sentence, the assistant echoing it unchanged, the user sending it again, and the graded assistant turn: the
@@ -108,6 +121,9 @@ OWN_TEMPLATES = {
     "translate": ("{p} said {{{translate}}} in French.", "{p} wrote {{{translate}}} in French on a {n}.",
                   "The {n} says {{{translate}}} in French.", "In French, {p} called it {{{translate}}}.",
                   "{p} asked for {{{translate}}} in French by the {m}."),
+    "unit": ("{p} wrote ⟦{unit}⟧ on a {n}.", "The label on the {n} reads ⟦{unit}⟧.",
+             "{p} measured ⟦{unit}⟧ by the {m}.", "The note says ⟦{unit}⟧.", "{p} noted ⟦{unit}⟧ next to the {n}.",
+             "The {n} shows ⟦{unit}⟧."),
 }
 GENERAL_TEMPLATES = (
     "{p} put the {n} by the {m}.",
@@ -134,7 +150,9 @@ CLAUSES = {  # the compositional rows of more skills: "{p} <clause>, <clause> an
     "upper": ("wrote [{upper}] on a {m}", "said [{upper}]", "shouted [{upper}]"),
     "reverse": ("spelled «{reverse}» backwards", "wrote «{reverse}» in reverse"),
     "translate": ("said {{{translate}}} in French", "wrote {{{translate}}} in French"),
+    "unit": ("measured ⟦{unit}⟧", "noted ⟦{unit}⟧ on the {n}"),
 }
+LATE_OTHERS = 3  # a compositional_late row needs the late skill and at most this many others (at most 4 spans)
 Maker = Callable[[int], tuple[str, str]]
 
 
@@ -151,8 +169,21 @@ def skill_sets(names: Sequence[str]) -> list[list[tuple[str, ...]]]:
     return [list(itertools.combinations(names, size)) for size in range(2, len(names) + 1)]
 
 
-def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]:
-    """`kind -> (row index -> (sentence, answer))` for every file: each skill's, general, compositional."""
+def late_sets(late: str, others: Sequence[str]) -> list[list[tuple[str, ...]]]:
+    """The sets of `late` with 1, 2, ... `LATE_OTHERS` of `others`, grouped by size (in `others`' order)."""
+    return [[(late, *names) for names in itertools.combinations(others, size)]
+            for size in range(1, min(LATE_OTHERS, len(others)) + 1)]
+
+
+def pick(groups: Sequence[Sequence[tuple[str, ...]]], i: int) -> tuple[str, ...]:
+    """Row `i`'s set of skills: the groups (sizes) take turns, and within a group its sets."""
+    by_size = groups[i % len(groups)]
+    return by_size[(i // len(groups)) % len(by_size)]
+
+
+def row_makers(rng: random.Random, skills: dict[str, Skill], late: str | None = None) -> dict[str, Maker]:
+    """`kind -> (row index -> (sentence, answer))` for every file: each skill's, general, compositional, and
+    with `late` (one of `skills`) `compositional_late`, whose rows all need that skill."""
 
     def fields() -> dict:
         n1, n2 = rng.sample(NOUNS, 2)
@@ -177,8 +208,7 @@ def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]
     sets = skill_sets(list(skills))
 
     def clauses(i: int) -> tuple[str, str]:
-        by_size = sets[i % len(sets)]
-        return clause_row(by_size[(i // len(sets)) % len(by_size)])
+        return clause_row(pick(sets, i))
 
     def clause_row(names: Sequence[str]) -> tuple[str, str]:
         spans = {name: skills[name].draw(rng) for name in names}
@@ -194,6 +224,9 @@ def row_makers(rng: random.Random, skills: dict[str, Skill]) -> dict[str, Maker]
     makers["compositional"] = pair if list(skills) == ["calc", "upper"] else clauses
     for names in itertools.combinations(skills, 2):
         makers["compositional_" + "_".join(names)] = lambda _, names=names: clause_row(names)
+    if late is not None:
+        groups = late_sets(late, [name for name in skills if name != late])
+        makers["compositional_late"] = lambda i: clause_row(pick(groups, i))
     return makers
 
 
@@ -215,11 +248,12 @@ def plain(line: str, response: str) -> dict:
 ROW_FORMATS: dict[str, Callable[[str, str], dict]] = {"chat": chat, "plain": plain}
 
 
-def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen: set[str]) -> list[tuple[str, str]]:
+def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen: set[str],
+              late: str | None = None) -> list[tuple[str, str]]:
     """`n` (sentence, answer) pairs of one kind, none of whose sentences is in `seen` (which they join), each
-    checked by every skill's verifier."""
+    checked by every skill's verifier (`late`: the skill every `compositional_late` row needs)."""
     rng = random.Random(f"{seed}:{kind}")
-    make = row_makers(rng, skills)[kind]
+    make = row_makers(rng, skills, late)[kind]
     rows: list[tuple[str, str]] = []
     tries = 0
     while len(rows) < n:
@@ -236,23 +270,32 @@ def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen
 
 
 def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240, n_compositional: int = 48,
-             pairs: Sequence[Sequence[str]] = (), row_format: str = "chat") -> dict[str, int]:
+             pairs: Sequence[Sequence[str]] = (), row_format: str = "chat",
+             late: Skill | None = None) -> dict[str, int]:
     """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`, and for each
     pair `(a, b)` of `pairs` a `compositional_a_b.jsonl` of `n_compositional` rows needing exactly those two
     skills; every row is drawn and checked before the first file is written. `row_format`: "chat" (`messages`
     rows) or "plain" (`prompt`/`response` rows, the same sentences). Returns the rows per file.
 
+    With `late` (a skill not in `skills`, for an expert trained after theirs), write only `<late>.jsonl` (`n` rows)
+    and `compositional_late.jsonl` (`n_compositional` rows, each needing `late` and 1 to `LATE_OTHERS` of
+    `skills`): the other files are drawn as above but not written, so that no new sentence repeats one of theirs.
+
     Raises:
-        SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows.
+        SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows,
+            a late skill that is also one of `skills`.
     """
-    check_skills(skills)
+    order = [s.name for s in skills]
+    if late is not None and late.name in order:
+        raise SkillError(f"--late {late.name}: name a skill that is not one of {', '.join(order)}")
+    every = [*skills, *([late] if late is not None else [])]
+    check_skills(every)
     by_name = {s.name: s for s in skills}
-    unknown = [s.name for s in skills if s.name not in OWN_TEMPLATES]
+    unknown = [s.name for s in every if s.name not in OWN_TEMPLATES]
     if unknown:
         raise SkillError(f"no sentence templates for skill(s) {unknown}: known are {', '.join(OWN_TEMPLATES)}")
     if len(skills) < 2:
         raise SkillError(f"compositional rows need at least two skills, got {[s.name for s in skills]}")
-    order = [s.name for s in skills]
     for pair in pairs:
         if len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(order):
             raise SkillError(f"--pair {' '.join(pair)}: name two different skills of {', '.join(order)}")
@@ -261,6 +304,11 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
     files = {kind: make_rows(kind, size, seed, by_name, seen) for kind, size in
              (("general", n), ("compositional", n_compositional), *((s.name, n) for s in skills),
               *((kind, n_compositional) for kind in pair_files))}
+    if late is not None:
+        with_late = {**by_name, late.name: late}
+        files = {late.name: make_rows(late.name, n, seed, with_late, seen),
+                 "compositional_late": make_rows("compositional_late", n_compositional, seed, with_late, seen,
+                                                 late.name)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, rows in files.items():
@@ -315,6 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pair", nargs=2, action="append", default=[], metavar="SKILL",
                         help="also write compositional_A_B.jsonl: --n_compositional rows needing exactly skills A and "
                              "B (repeatable)")
+    parser.add_argument("--late", choices=SKILL_NAMES, metavar="SKILL",
+                        help="a skill whose expert is trained after those of --skills: write only SKILL.jsonl (--n "
+                             "rows) and compositional_late.jsonl (--n_compositional rows, each needing SKILL and 1 to "
+                             f"{LATE_OTHERS} of --skills), no sentence repeating one of the files written without it")
     parser.add_argument("--format", choices=list(ROW_FORMATS), default="chat", dest="row_format",
                         help="chat: messages rows (a chat model's template renders them); plain: prompt/response "
                              "rows in a plain text template, for a base model with no chat template")
@@ -329,8 +381,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.out:
             parser.error("--out is required (or --measure)")
         skills = [make_skill(name, args.op) for name in args.skills]
+        late = make_skill(args.late, args.op) if args.late else None
         for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional, args.pair,
-                                     args.row_format).items():
+                                     args.row_format, late).items():
             print(f"{Path(args.out) / f'{kind}.jsonl'}: {count} rows")
     except SkillError as err:
         raise SystemExit(f"make_skill_data: {err}") from None

@@ -1,4 +1,5 @@
-"""Skills checked by programs (`data.skills`) and the four-skill rows of `configs/experiment/smollm2_skills4.yaml`.
+"""Skills checked by programs (`data.skills`) and the four-skill rows of `configs/experiment/smollm2_skills4.yaml`,
+with the rows of a fifth expert (`unit`) trained after those four.
 
 The rows are written by `scripts/make_skill_data.py` (checked here to reproduce the committed files byte for byte);
 every reference span passes its skill's verifier, wrong spans do not, and the test sets have the sizes the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +25,9 @@ CONFIG = ROOT / "configs" / "experiment" / "smollm2_skills4.yaml"
 CONFIG_K2 = ROOT / "configs" / "experiment" / "smollm2_skills4_k2.yaml"
 DATA = ROOT / "configs" / "experiment" / "data" / "skills4"
 SKILLS = {name: make_skill(name) for name in SKILL_NAMES}
-ARGS = ["--seed", "0", "--skills", *SKILL_NAMES, "--n", "608", "--n_compositional", "800", "--pair", "calc", "upper"]
+FOUR = ("calc", "upper", "reverse", "translate")
+ARGS = ["--seed", "0", "--skills", *FOUR, "--n", "608", "--n_compositional", "800", "--pair", "calc", "upper"]
+LATE_FILES = ("unit.jsonl", "compositional_late.jsonl")  # the fifth expert's, written by ARGS + --late unit
 
 
 def read(path: Path) -> list[tuple[str, str]]:
@@ -42,6 +46,9 @@ def present(line: str) -> frozenset[str]:
     ("upper", "good night", "GOOD NIGHT", ["GOOD night", "good night", "GOODNIGHT"]),
     ("reverse", "kite", "etik", ["kite", "etiK", "eitk"]),
     ("translate", "cat", "chat", ["cat", "chien", "Chat"]),
+    ("unit", "5 km=", "5 km=5000 m", ["5 km=500 m", "5 km=5000 g", "5 km=5000m", "5000 m", "5 km=5 km", "5 km="]),
+    ("unit", "99 L=", "99 L=99000 mL", ["99 L=99000 L", "99 L=99000 ml", "98 L=98000 mL"]),
+    ("unit", "12 kg=", "12 kg=12000 g", ["12 kg=12000 kg", "12 kg=1200 g", " 12 kg=12000 g"]),
 ])
 def test_verifiers_accept_the_right_span_and_reject_wrong_ones(name, source, right, wrong):
     skill = SKILLS[name]
@@ -55,6 +62,30 @@ def test_verifiers_reject_inputs_outside_the_skill():
     assert not SKILLS["upper"].verify("OK", "OK")                 # nothing to capitalise
     assert not SKILLS["reverse"].verify("level", "level")         # a palindrome shows nothing
     assert not SKILLS["translate"].verify("zebra", "zebre")       # not in the dictionary
+    assert not SKILLS["unit"].verify("5 cm=", "5 cm=50 mm")       # not a unit the skill converts
+    assert not SKILLS["unit"].verify("5 km", "5 km5000 m")        # no = sign to answer after
+
+
+@pytest.mark.parametrize("name", SKILL_NAMES)
+def test_draws_verify(name):
+    skill, rng = SKILLS[name], random.Random(name)
+    for _ in range(200):
+        source, right = skill.draw(rng)
+        assert skill.verify(source, right), (source, right)
+        assert not skill.verify(source, source)
+
+
+def test_unit_draws_every_unit_in_range_and_owns_its_delimiters():
+    rng = random.Random(0)
+    drawn = [SKILLS["unit"].draw(rng)[0] for _ in range(500)]
+    assert {d.split()[1] for d in drawn} == {"km=", "kg=", "L="}
+    assert {int(d.split()[0]) for d in drawn} <= set(range(2, 100)) and {2, 99} <= {int(d.split()[0]) for d in drawn}
+    unit = SKILLS["unit"]
+    assert (unit.start, unit.end) == ("\u27e6", "\u27e7")
+    check_skills(list(SKILLS.values()))  # all five: no delimiter shared or nested
+    others = "".join(s.start + s.end for name, s in SKILLS.items() if name != "unit")
+    assert unit.start not in others and unit.end not in others
+    assert unit.spans("A ⟦5 km=⟧ and <<2+3=>> [hi] ⟦7 L=⟧.") == ["5 km=", "7 L="]
 
 
 def test_skill_counts_scores_span_by_span():
@@ -103,10 +134,42 @@ def test_generator_stops_on_bad_skills_before_writing(tmp_path, capsys):
 def test_generator_reproduces_the_committed_four_skill_rows(tmp_path):
     from scripts.make_skill_data import main
 
-    main(["--out", str(tmp_path), *ARGS])
+    main(["--out", str(tmp_path / "four"), *ARGS])
+    main(["--out", str(tmp_path / "late"), *ARGS, "--late", "unit"])
+    assert sorted(p.name for p in (tmp_path / "late").iterdir()) == sorted(LATE_FILES)
     for path in sorted(DATA.glob("*.jsonl")):
-        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in DATA.glob("*.jsonl"))
+        written = tmp_path / ("late" if path.name in LATE_FILES else "four") / path.name
+        assert written.read_bytes() == path.read_bytes(), path.name
+    names = [p.name for p in (tmp_path / "four").iterdir()] + list(LATE_FILES)
+    assert sorted(names) == sorted(p.name for p in DATA.glob("*.jsonl"))
+
+
+def test_late_skill_rows_all_need_it_and_repeat_no_other_file(tmp_path):
+    from scripts.make_skill_data import generate
+
+    four = [SKILLS[name] for name in FOUR]
+    assert generate(tmp_path / "four", four, n=10, n_compositional=24, pairs=[("calc", "upper")]) == {
+        "general": 10, "compositional": 24, **dict.fromkeys(FOUR, 10), "compositional_calc_upper": 24}
+    assert generate(tmp_path / "late", four, n=10, n_compositional=24, pairs=[("calc", "upper")],
+                    late=SKILLS["unit"]) == {"unit": 10, "compositional_late": 24}
+    earlier = {line for path in (tmp_path / "four").iterdir() for line, _ in read(path)}
+    assert {present(line) for line, _ in read(tmp_path / "late" / "unit.jsonl")} == {frozenset({"unit"})}
+    rows = read(tmp_path / "late" / "compositional_late.jsonl")
+    for n, (line, answer) in enumerate(rows, 1):
+        check_row(list(SKILLS.values()), line, answer, f"compositional_late.jsonl row {n}")
+        assert line not in earlier
+    sets = [present(line) for line, _ in rows]
+    assert all("unit" in s for s in sets)
+    assert {size: sum(len(s) == size for s in sets) for size in (2, 3, 4)} == {2: 8, 3: 8, 4: 8}
+    assert set().union(*sets) == set(SKILL_NAMES)
+
+
+def test_late_skill_must_not_be_one_of_the_skills(tmp_path):
+    from scripts.make_skill_data import main
+
+    with pytest.raises(SystemExit, match=r"^make_skill_data: --late calc: name a skill that is not one of calc, upper$"):
+        main(["--out", str(tmp_path / "a"), "--late", "calc"])
+    assert not (tmp_path / "a").exists()
 
 
 def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
@@ -123,6 +186,8 @@ def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
                 assert present(line) == set()
             elif kind == "compositional_calc_upper":
                 assert present(line) == {"calc", "upper"}
+            elif kind == "compositional":
+                assert "unit" not in present(line)
             # outside the spans, the answer is the question
             strip = line, answer
             for skill in skills:
@@ -132,9 +197,16 @@ def test_four_skill_rows_are_right_and_cover_every_set_of_skills():
     sets = [present(line) for line, _ in read(DATA / "compositional.jsonl")]
     by_size = {size: sum(len(s) == size for s in sets) for size in (2, 3, 4)}
     assert sum(by_size.values()) == len(sets) == 800 and min(by_size.values()) >= 266
-    for pair in itertools.combinations(SKILL_NAMES, 2):
+    for pair in itertools.combinations(FOUR, 2):
         assert sum(set(pair) == s for s in sets) >= 40, pair             # the pair alone
         assert sum(set(pair) <= s for s in sets) >= 300, pair            # the pair, alone or in a larger set
+    # the fifth expert's test set: unit and one, two or three of the four others, every other with unit
+    late = [present(line) for line, _ in read(DATA / "compositional_late.jsonl")]
+    assert all("unit" in s for s in late)
+    assert {size: sum(len(s) == size for s in late) for size in (2, 3, 4)} == {2: 267, 3: 267, 4: 266}
+    for name in FOUR:
+        assert sum({"unit", name} == s for s in late) >= 66, name        # unit with that skill alone
+        assert sum(name in s for s in late) >= 300, name
 
 
 @pytest.mark.parametrize("files", [[CONFIG], [CONFIG, CONFIG_K2]], ids=["k4", "k2"])
