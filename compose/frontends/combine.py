@@ -340,10 +340,11 @@ def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | Non
 
 # Methods `compare` can decode beside the composition (`combine_exports(..., compare=...)`, `--compare`).
 COMPARE_METHODS = ("soft", "gated", "alone", "background", *MERGE_METHODS)
+SCORED_METHODS = ("soft", "gated", "background")  # teacher-forced metrics too (the others: decoded only)
 
 
 def compare(combination: Combination, composed: ComposedLM, methods: Sequence[str], *, limit: int | None = None,
-            batch_size: int = 250) -> dict[str, dict[str, float]]:
+            batch_size: int = 250, scored: Sequence[str] = SCORED_METHODS) -> dict[str, dict[str, float]]:
     """Other ways to use the same experts, each on the same compositional test rows (`Task.evaluate_composition`:
     exact match, per-skill accuracy, off-interval KL, general perplexity):
 
@@ -351,7 +352,9 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
     runs once its interval opens); `alone`: each expert by itself (`alone/<name>`), the denominator of "the
     composition keeps each skill"; `background`: no expert; `task_arithmetic`, `ties`, `dare`: the LoRA adapters
     merged in parameter space (peft's `add_weighted_adapter`, `compose.merges`; the merge is dropped afterwards).
-    `composed` must be the combination's, loaded with the adapters backend for the merges."""
+    `composed` must be the combination's, loaded with the adapters backend for the merges. The teacher-forced
+    metrics (off-interval KL, general perplexity: a forward of every component over every held-out general row)
+    are computed for the methods in `scored` only; the others are decoded only."""
     unknown = [m for m in methods if m not in COMPARE_METHODS]
     if unknown:
         raise CombineError(f"compare: unknown method(s) {', '.join(unknown)}; known: {', '.join(COMPARE_METHODS)}")
@@ -368,27 +371,36 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
         picked = [composed.experts[composed.names.index(n)] for n in names]
         return ComposedLM(composed.background, picked, names=names, tokenizer=tok, **kwargs)
 
+    def evaluate(model: ComposedLM, method: str) -> dict[str, float]:
+        return task.evaluate_composition(model if method in scored else _DecodingOnly(model), dataset, batch_size)
+
     results: dict[str, dict[str, float]] = {}
     for method in methods:
         print(f"[combine] compare: {method} on {len(dataset)} compositional test rows", flush=True)
         if method in ("soft", "gated"):
             model = of_adapters(composed.names, weights=composed.weights, specs=composed.specs,
                                 composition=method, lazy=method == "gated")
-            results[method] = task.evaluate_composition(model, dataset, batch_size)
+            results[method] = evaluate(model, method)
         elif method == "alone":
             for i, name in enumerate(composed.names):
-                model = of_adapters([name], weights=[composed.weights[i]])
-                results[f"alone/{name}"] = task.evaluate_composition(model, dataset, batch_size)
+                results[f"alone/{name}"] = evaluate(of_adapters([name], weights=[composed.weights[i]]), method)
         elif method == "background":
-            results[method] = task.evaluate_composition(of_adapters([]), dataset, batch_size)
+            results[method] = evaluate(of_adapters([]), method)
         else:
             merged = merge_adapters(composed.model, composed.names, method, weights=composed.weights,
                                     seed=combination.seed)
             try:
-                results[method] = task.evaluate_composition(of_adapters([merged]), dataset, batch_size)
+                results[method] = evaluate(of_adapters([merged]), method)
             finally:
                 composed.model.delete_adapter(merged)
     return {name: _with_ci95({"exact_match_n": len(dataset), **entry}) for name, entry in results.items()}
+
+
+class _DecodingOnly:
+    """A model's greedy decoding without its teacher-forced scores (`Task.evaluate_composition` then skips them)."""
+
+    def __init__(self, model: ComposedLM) -> None:
+        self.generate, self.device, self.names = model.generate, model.device, model.names
 
 
 def _with_ci95(entry: Mapping[str, float]) -> dict[str, Any]:
