@@ -371,28 +371,45 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
         picked = [composed.experts[composed.names.index(n)] for n in names]
         return ComposedLM(composed.background, picked, names=names, tokenizer=tok, **kwargs)
 
+    def one_model(names: list[str], weights: list[float], method: str) -> ComposedLM:
+        """The background with one expert (or a merge) at weight 1 is that expert: decoded alone, as one model
+        (one row per input instead of two); scored, as the composition, whose teacher-forced metrics these are."""
+        if method in scored or weights != [1.0]:
+            return of_adapters(names, weights=weights)
+        if composed.backend == "adapters":
+            composed.model.set_adapter(names[0])  # the PeftModel with only this adapter active
+            return ComposedLM(composed.model, [], tokenizer=tok)
+        return ComposedLM(composed.experts[composed.names.index(names[0])], [], tokenizer=tok)
+
     def evaluate(model: ComposedLM, method: str) -> dict[str, float]:
         return task.evaluate_composition(model if method in scored else _DecodingOnly(model), dataset, batch_size)
 
-    results: dict[str, dict[str, float]] = {}
-    for method in methods:
+    def run(method: str) -> None:
         print(f"[combine] compare: {method} on {len(dataset)} compositional test rows", flush=True)
         if method in ("soft", "gated"):
-            model = of_adapters(composed.names, weights=composed.weights, specs=composed.specs,
-                                composition=method, lazy=method == "gated")
-            results[method] = evaluate(model, method)
+            results[method] = evaluate(of_adapters(composed.names, weights=composed.weights, specs=composed.specs,
+                                                   composition=method, lazy=method == "gated"), method)
         elif method == "alone":
-            for i, name in enumerate(composed.names):
-                results[f"alone/{name}"] = evaluate(of_adapters([name], weights=[composed.weights[i]]), method)
+            for name, weight in zip(composed.names, composed.weights, strict=True):
+                results[f"alone/{name}"] = evaluate(one_model([name], [weight], method), method)
         elif method == "background":
             results[method] = evaluate(of_adapters([]), method)
         else:
             merged = merge_adapters(composed.model, composed.names, method, weights=composed.weights,
                                     seed=combination.seed)
             try:
-                results[method] = evaluate(of_adapters([merged]), method)
+                results[method] = evaluate(one_model([merged], [1.0], method), method)
             finally:
                 composed.model.delete_adapter(merged)
+
+    results: dict[str, dict[str, float]] = {}
+    active = composed.model.active_adapter if composed.backend == "adapters" else None
+    try:
+        for method in methods:
+            run(method)
+    finally:  # one_model switches the PeftModel's active adapter
+        if active is not None:
+            composed.model.set_adapter(active)
     return {name: _with_ci95({"exact_match_n": len(dataset), **entry}) for name, entry in results.items()}
 
 
