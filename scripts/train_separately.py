@@ -8,13 +8,14 @@
    background`). A config whose `background.path` names a pretrained background gives it to every run as is. Each run sees only the background, its own rule and the config's data settings: no
    `compose_with`, no other expert's rules (`expert.reg_data=composition` is refused: it would apply them).
 2. `compose.combine` checks the exports fit together and evaluates their composition on the task's compositional
-   test set; the combined export is written to `OUT/combined`. `--compare gated alone task_arithmetic ties dare`
+   test set; the combined export is written to `OUT/combined`. `--compare gated,alone,task_arithmetic,ties,dare`
    decodes the same rows with each of these too (`compose.combine --compare`). `--train_only` stops after the
    runs; `--run_test_limit N` lets each one-expert run decode only N compositional rows (the combination decodes
    them all).
 3. `--subsets 2,4`: `--draws` random subsets of each size (seeded by the seed), each composed and evaluated.
 4. `--late SPEC`: an expert trained afterwards, in a new run with `seed=--late_seed`, joins the combined
-   export (`OUT/combined_late`), as an expert trained a week later would.
+   export (`OUT/combined_late`), as an expert trained a week later would; `--late_test_setting
+   compositional=[FILE]` tests that composition on rows needing its skill too.
 
 Runs that finished (their `summary.json` exists) are not trained again, so an interrupted call resumes. Prints a
 table and writes `OUT/separate.json`: each expert alone (exact match on its own test rows), and every
@@ -67,21 +68,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draws", type=int, default=3, help="random subsets per size")
     parser.add_argument("--late", default=None, help="an expert (YAML mapping) trained afterwards that joins")
     parser.add_argument("--late_seed", type=int, default=None, help="its run's seed (default: the seed + 1000)")
+    parser.add_argument("--late_test_setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="a task setting of the late composition's test split (compose.combine --test_setting), "
+                             "e.g. compositional=[rows needing the late expert's skill too]")
     parser.add_argument("--limit", type=int, default=None, help="compositional test rows to evaluate (default all)")
-    parser.add_argument("--compare", nargs="+", default=[], metavar="METHOD",
-                        help="also decode the combination's test rows with these (compose.combine --compare: gated, "
-                             "alone, background, task_arithmetic, ties, dare)")
+    parser.add_argument("--compare", default="", metavar="M1,M2",
+                        help="comma-separated: also decode the combination's test rows with these (compose.combine "
+                             "--compare: gated, alone, background, task_arithmetic, ties, dare)")
     parser.add_argument("--train_only", action="store_true",
                         help="train (or find) the runs and stop: compose them later with compose.combine")
     parser.add_argument("--run_test_limit", type=int, default=None,
                         help="compositional test rows each one-expert run decodes (composition.test_limit; "
                              "default all): the combination is evaluated on all of them")
     args, overrides = parser.parse_known_args(argv)
+    args.compare = [m for m in args.compare.split(",") if m]
     if any("=" not in o for o in overrides):
         parser.error(f"unrecognized arguments: {' '.join(o for o in overrides if '=' not in o)} (overrides are KEY=VALUE)")
 
     from compose.frontends.combine import COMPARE_METHODS, combine_exports
 
+    if any(not item.partition("=")[0] or "=" not in item for item in args.late_test_setting):
+        parser.error(f"--late_test_setting: expected KEY=VALUE, got {args.late_test_setting}")
     unknown = [m for m in args.compare if m not in COMPARE_METHODS]
     if unknown:
         parser.error(f"--compare: unknown method(s) {', '.join(unknown)}; known: {', '.join(COMPARE_METHODS)}")
@@ -112,16 +119,21 @@ def main(argv: list[str] | None = None) -> dict:
         return {"alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}}
     exports = {name: runs / name / "export" for name in summaries}
     results: dict = {"config": args.config, "overrides": overrides, "seed": cfg.seed,
-                     "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}, "compositions": []}
+                     "alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()},
+                     "alone_skill_accuracy": {n: s["experts"][n].get("skill_accuracy_alone")
+                                              for n, s in summaries.items()}, "compositions": []}
 
-    def compose(names: list[str], paths: list[Path], out: Path | None = None, compare: list[str] = ()) -> float:
+    def compose(names: list[str], paths: list[Path], out: Path | None = None, compare: list[str] = (),
+                test_settings: dict | None = None) -> float:
         kwargs: dict = {"overwrite": True} if out is not None else {}
         if compare:
             kwargs["compare_with"] = compare
+        if test_settings:
+            kwargs["test_settings"] = dict(test_settings)
         min_len = OmegaConf.select(cfg, "task.min_len")
         if min_len is not None and len(names) > min_len and OmegaConf.select(cfg, "task.compositional_min_experts") \
                 is None:  # every expert's source in every test input: the shortest inputs must hold them all
-            kwargs["test_settings"] = {"min_len": len(names)}
+            kwargs["test_settings"] = {**kwargs.get("test_settings", {}), "min_len": len(names)}
             print(f"[separately] k={len(names)}: test inputs of {len(names)}–{cfg.task.max_len} letters "
                   f"(task.min_len={min_len} cannot hold {len(names)} sources)", flush=True)
         r = combine_exports(paths, out, limit=args.limit, **kwargs)
@@ -145,8 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
         s = train_one(args.config, overrides, spec, runs / spec["name"],
                       first / "background" if trained_background else None, late_seed, args.run_test_limit)
         results["alone"][spec["name"]] = s["experts"][spec["name"]]["exact_match"]
+        results["alone_skill_accuracy"][spec["name"]] = s["experts"][spec["name"]].get("skill_accuracy_alone")
         results["late"] = {"name": spec["name"], "seed": late_seed}
-        compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late")
+        late_settings = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.late_test_setting)}
+        compose([*exports, spec["name"]], [combined, runs / spec["name"] / "export"], args.out / "combined_late",
+                args.compare, late_settings)
     (args.out / "separate.json").write_text(json.dumps(results, indent=2) + "\n")
     print("[separately] alone: " + ", ".join(f"{n} {v:.4f}" for n, v in results["alone"].items()))
     return results

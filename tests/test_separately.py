@@ -27,7 +27,8 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
     out = tmp_path / "sep"
     experts = "experts=[{name: A_to_B, rules: {A: B}}, {name: C_to_D, rules: {C: D}}, {name: E_to_F, rules: {E: F}}]"
     results = _script().main([FAST, "--out", str(out), "--subsets", "2", "--draws", "2", "--late",
-                              "{name: G_to_H, rules: {G: H}}", "--late_seed", "7", experts, "expert.reg_data=own",
+                              "{name: G_to_H, rules: {G: H}}", "--late_seed", "7", "--late_test_setting", "n_test=16",
+                              "--compare", "alone", experts, "expert.reg_data=own",
                               "expert.corruption_prob=[0,0.6]", "report=false"])
     runs = {p.name: p for p in (out / "runs").iterdir()}
     assert sorted(runs) == ["A_to_B", "C_to_D", "E_to_F", "G_to_H"]
@@ -45,7 +46,12 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
                                                                                   "G_to_H"]
     ks = [c["k"] for c in results["compositions"]]
     assert ks == [3, 2, 2, 4]
-    assert all(0.0 <= c["exact_match"] <= 1.0 and c["n_test"] == 32 for c in results["compositions"])
+    assert [c["n_test"] for c in results["compositions"]] == [32, 32, 32, 16]  # the late one's own test setting
+    assert all(0.0 <= c["exact_match"] <= 1.0 for c in results["compositions"])
+    assert results["compositions"][-1]["test_settings"] == {"n_test": 16}
+    # --compare: the full combination and the late one decoded each expert alone on their rows too
+    assert sorted(results["compositions"][0]["compare"]) == ["alone/A_to_B", "alone/C_to_D", "alone/E_to_F"]
+    assert "alone/G_to_H" in results["compositions"][-1]["compare"]
     assert json.loads((out / "separate.json").read_text()) == results
     assert set(results["alone"]) == set(runs)
     printed = capsys.readouterr().out
@@ -53,7 +59,7 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
     # finished runs are not trained again: a second call only composes
     again = _script().main([FAST, "--out", str(out), experts, "expert.reg_data=own", "expert.corruption_prob=[0,0.6]",
                             "report=false"])
-    assert again["compositions"][0] == results["compositions"][0]
+    assert again["compositions"][0] == {k: v for k, v in results["compositions"][0].items() if k != "compare"}
     assert "train.py" not in capsys.readouterr().out
     # the k-curve of these runs: k = 1 each expert alone, the other k their compositions, decoding timed against k
     plot = tmp_path / "k.png"
