@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         em = r["metrics"]["exact_match"]
         results["compositions"].append({"experts": names, "k": len(names), "exact_match": em, "n_test": r["n_test"],
                                         **({"test_settings": kwargs["test_settings"]} if "test_settings" in kwargs
-                                           else {}), **({"compare": r["compare"]} if "compare" in r else {})})
+                                           else {}), "metrics": r["metrics"],
+                                        **({"compare": r["compare"]} if "compare" in r else {})})
         print(f"[separately] k={len(names)} {'+'.join(names)}: exact_match={em:.4f} (n={r['n_test']})", flush=True)
         return em
 

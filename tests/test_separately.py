@@ -56,6 +56,9 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
     assert set(results["alone"]) == set(runs)
     printed = capsys.readouterr().out
     assert "[separately] k=4 A_to_B+C_to_D+E_to_F+G_to_H: exact_match=" in printed
+    # the table of the targets reads the combination and its compared methods
+    table = _script("composition_table").main([str(out)])
+    assert table.startswith("|  | exact match |") and "| A_to_B alone |" in table
     # finished runs are not trained again: a second call only composes
     again = _script().main([FAST, "--out", str(out), experts, "expert.reg_data=own", "expert.corruption_prob=[0,0.6]",
                             "report=false"])
