@@ -11,7 +11,7 @@
    test set; the combined export is written to `OUT/combined`. `--compare gated,alone,task_arithmetic,ties,dare`
    decodes the same rows with each of these too (`compose.combine --compare`). `--train_only` stops after the
    runs; `--run_test_limit N` lets each one-expert run decode only N compositional rows (the combination decodes
-   them all).
+   them all); `--jobs N` trains N runs at once (the first alone when it trains the background).
 3. `--subsets 2,4`: `--draws` random subsets of each size (seeded by the seed), each composed and evaluated.
 4. `--late SPEC`: an expert trained afterwards, in a new run with `seed=--late_seed`, joins the combined
    export (`OUT/combined_late`), as an expert trained a week later would; `--late_test_setting
@@ -30,6 +30,7 @@ import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -44,8 +45,9 @@ def expert_node(spec: dict) -> str:
 
 
 def train_one(config: str, overrides: list[str], spec: dict, out: Path, background: Path | None,
-              seed: int | None = None, test_limit: int | None = None) -> dict:
-    """One expert, one run, one process; returns its `summary.json`."""
+              seed: int | None = None, test_limit: int | None = None, log: bool = False) -> dict:
+    """One expert, one run, one process; returns its `summary.json`. `log`: its console goes to `OUT.log` beside
+    the run (runs trained at once would interleave theirs)."""
     summary = out / "summary.json"
     if not summary.is_file():
         cmd = [sys.executable, str(ROOT / "train.py"), config, *overrides, expert_node(spec), f"output_dir={out}",
@@ -56,7 +58,18 @@ def train_one(config: str, overrides: list[str], spec: dict, out: Path, backgrou
         if seed is not None:
             cmd.append(f"seed={seed}")
         print(f"[separately] {spec['name']}: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        if not log:
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            return json.loads(summary.read_text())
+        path = out.parent / f"{out.name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[separately] {spec['name']}: console in {path}", flush=True)
+        with open(path, "a") as console:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+        if code:
+            tail = path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise SystemExit(f"train_separately: the run of {spec['name']!r} failed (exit {code}); the end of its "
+                             f"console ({path}):\n" + "\n".join(tail))
     return json.loads(summary.read_text())
 
 
@@ -75,6 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare", default="", metavar="M1,M2",
                         help="comma-separated: also decode the combination's test rows with these (compose.combine "
                              "--compare: gated, alone, background, task_arithmetic, ties, dare)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, each its own process (give each trainer.threads=1 on a small "
+                             "CPU)")
     parser.add_argument("--train_only", action="store_true",
                         help="train (or find) the runs and stop: compose them later with compose.combine")
     parser.add_argument("--run_test_limit", type=int, default=None,
@@ -82,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "default all): the combination is evaluated on all of them")
     args, overrides = parser.parse_known_args(argv)
     args.compare = [m for m in args.compare.split(",") if m]
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: must be >= 1")
     if any("=" not in o for o in overrides):
         parser.error(f"unrecognized arguments: {' '.join(o for o in overrides if '=' not in o)} (overrides are KEY=VALUE)")
 
@@ -107,13 +125,19 @@ def main(argv: list[str] | None = None) -> dict:
     specs = [{k: v for k, v in OmegaConf.to_container(e).items() if v not in (None, [])} for e in cfg.experts]
     runs = args.out / "runs"
     first = runs / specs[0]["name"]
-    summaries = {}
     trained_background = not cfg.background.path  # a pretrained background (background.path) is every run's own
-    for spec in specs:
+
+    def train(spec: dict) -> dict:
         out = runs / spec["name"]
-        summaries[spec["name"]] = train_one(args.config, overrides, spec, out,
-                                            first / "background" if trained_background and out != first else None,
-                                            test_limit=args.run_test_limit)
+        return train_one(args.config, overrides, spec, out,
+                         first / "background" if trained_background and out != first else None,
+                         test_limit=args.run_test_limit, log=args.jobs > 1)
+
+    # The first run trains the background the others load: it goes alone; the rest, `--jobs` at a time.
+    done = [train(specs[0])] if trained_background else []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done += list(pool.map(train, specs[len(done):]))
+    summaries = {spec["name"]: summary for spec, summary in zip(specs, done, strict=True)}
     if args.train_only:
         print(f"[separately] trained: {', '.join(summaries)} (runs in {runs})")
         return {"alone": {n: s["experts"][n]["exact_match"] for n, s in summaries.items()}}

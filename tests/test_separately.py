@@ -28,15 +28,17 @@ def test_experts_trained_one_per_process_compose_and_a_late_expert_joins(tmp_pat
     experts = "experts=[{name: A_to_B, rules: {A: B}}, {name: C_to_D, rules: {C: D}}, {name: E_to_F, rules: {E: F}}]"
     results = _script().main([FAST, "--out", str(out), "--subsets", "2", "--draws", "2", "--late",
                               "{name: G_to_H, rules: {G: H}}", "--late_seed", "7", "--late_test_setting", "n_test=16",
-                              "--compare", "alone", experts, "expert.reg_data=own",
+                              "--compare", "alone", "--jobs", "2", experts, "expert.reg_data=own",
                               "expert.corruption_prob=[0,0.6]", "report=false"])
-    runs = {p.name: p for p in (out / "runs").iterdir()}
+    runs = {p.name: p for p in (out / "runs").iterdir() if p.is_dir()}
     assert sorted(runs) == ["A_to_B", "C_to_D", "E_to_F", "G_to_H"]
     for name, run in runs.items():  # each run knew one expert and no other's rule, and loaded the first's background
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         assert [e["name"] for e in cfg["experts"]] == [name] and cfg["composition"]["compose_with"] == []
         assert cfg["expert"]["corruption_prob"] == [0, 0.6]
         assert (run / "background").is_dir() == (name == "A_to_B")
+        # --jobs 2: the first run trained the background alone, the next two ran at once, each console in a log
+        assert (out / "runs" / f"{name}.log").is_file() == (name != "G_to_H")
         assert cfg["seed"] == (7 if name == "G_to_H" else 0)
         if name != "A_to_B":
             assert cfg["background"]["path"] == str(runs["A_to_B"] / "background")
@@ -99,7 +101,7 @@ def test_a_pretrained_background_is_every_runs_own(tmp_path, monkeypatch):
 
     module, given = _script(), {}
 
-    def train_one(config, overrides, spec, out, background, seed=None, test_limit=None):
+    def train_one(config, overrides, spec, out, background, seed=None, test_limit=None, log=False):
         given[spec["name"]] = background
         out.mkdir(parents=True, exist_ok=True)
         return {"experts": {spec["name"]: {"exact_match": 1.0}}}
@@ -107,7 +109,7 @@ def test_a_pretrained_background_is_every_runs_own(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "train_one", train_one)
     monkeypatch.setattr(combine, "combine_exports", lambda *a, **k: {"metrics": {"exact_match": 1.0}, "n_test": 1})
     experts = "experts=[{name: A_to_B, rules: {A: B}}, {name: C_to_D, rules: {C: D}}]"
-    module.main([FAST, "--out", str(tmp_path / "sep"), experts, "background.path=smollm2", "--late",
+    module.main([FAST, "--out", str(tmp_path / "sep"), experts, "background.path=smollm2", "--jobs", "2", "--late",
                  "{name: E_to_F, rules: {E: F}}"])
     assert given == {"A_to_B": None, "C_to_D": None, "E_to_F": None}
     module.main([FAST, "--out", str(tmp_path / "sep2"), experts])
