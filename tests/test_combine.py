@@ -97,7 +97,9 @@ def test_cli_prints_and_writes_the_metrics(runs, tmp_path, capsys):
             "--composition", "gated", "--metrics", str(metrics), "--out", str(out), "--background", "ref", "--device", "cpu"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("composed 2 experts (A_to_B, C_to_D) from 2 exports: exact_match=")
+    # a stage line (with the decoding paths), then the result
+    assert printed.startswith("[combine] A_to_B, C_to_D: gated composition on the compositional test rows (one head")
+    assert "\ncomposed 2 experts (A_to_B, C_to_D) from 2 exports: exact_match=" in printed
     assert "on 4 compositional test rows (gated)" in printed
     written = yaml.safe_load(metrics.read_text())
     assert written["n_test"] == 4 and "exact_match" in written["metrics"] and written["out"] == str(out)

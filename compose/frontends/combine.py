@@ -472,6 +472,8 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
     def run(folder: Path) -> None:
         composed = load_composed(folder, composition=composition, device=device)
         result["decoding_paths"] = dataclasses.asdict(composed.paths)  # the exact shortcuts it takes (ComposedLM.paths)
+        print(f"[combine] {', '.join(combination.names)}: {composition} composition on the compositional test rows "
+              f"({composed.paths.describe()})", flush=True)
         metrics = evaluate(combination, composed, limit=limit, batch_size=batch_size,
                            active_threshold=active_threshold)
         result.update(n_test=metrics.pop("n_test"), metrics=metrics, notes=combination.notes)
