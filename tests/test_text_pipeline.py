@@ -49,6 +49,15 @@ def test_text_run_writes_the_summary_contract(text_run):
         assert key in header, key
 
 
+def test_the_final_evaluation_can_skip_the_gated_pass_and_decode_fewer_rows(tmp_path):
+    """`composition.gated=false` and `composition.test_limit`: what the one-expert runs of train_separately use."""
+    out = tmp_path / "run"
+    proc = train(TEXT, *FAST, "composition.gated=false", "composition.test_limit=2", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads((out / "summary.json").read_text())["composition"]
+    assert c["n_test"] == 2 and c["exact_match_n"] == 2 and "gated" not in c
+
+
 def test_text_export_records_intervals_and_composes_gated_with_no_user_code(text_run):
     import torch
 
