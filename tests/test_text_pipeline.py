@@ -120,3 +120,34 @@ def test_text_bad_input_at_the_command_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: nowhere.jsonl: data file not found"]
     assert not (tmp_path / "run").exists()
+
+
+def test_exports_that_differ_in_their_evaluation_rows_combine(text_run, tmp_path):
+    """An expert trained later brings compositional rows that need its skill: exports that differ only in how a
+    run was evaluated (`compositional`, `eval_limit`, `cross_eval`) combine, noted, on the first export's rows."""
+    import shutil
+
+    from compose.export import load_manifest, write_manifest
+    from compose.frontends.combine import check_exports
+
+    def one_expert(name: str, **settings) -> Path:
+        dst = tmp_path / f"{name}_{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(text_run / "export", dst)
+        manifest = load_manifest(dst)
+        for entry in manifest["experts"]:
+            if entry["name"] != name:
+                shutil.rmtree(dst / entry["path"])
+        extra = {**manifest["extra"], "task_settings": {**manifest["extra"]["task_settings"], **settings}}
+        write_manifest(dst, manifest["background"], [e for e in manifest["experts"] if e["name"] == name], extra)
+        return dst
+
+    calc = one_expert("calc")
+    later = one_expert("upper", compositional=[str(FIXTURE / "compositional.jsonl")] * 2, eval_limit=3)
+    combination = check_exports([calc, later])
+    assert combination.names == ["calc", "upper"]
+    assert combination.settings["compositional"] == load_manifest(calc)["extra"]["task_settings"]["compositional"]
+    assert sum("task.compositional differs" in n or "task.eval_limit differs" in n for n in combination.notes) == 2
+    longer = load_manifest(calc)["extra"]["task_settings"]["max_length"] + 1
+    trained_differently = one_expert("upper", max_length=longer)  # it shapes the training rows: refused
+    with pytest.raises(ValueError, match="task.max_length is"):
+        check_exports([calc, trained_differently])

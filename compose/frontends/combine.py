@@ -70,6 +70,10 @@ from lightning_modules.pipeline.report import wilson_interval
 # length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still share one compositional
 # test set.
 TRAINING_ONLY_SETTINGS = ("n_train", "source_prob", "eval_lengths", "n_per_length")
+# Text-task settings that shape only the held-out evaluation of a run (its compositional rows, how many held-out
+# rows it decodes): an expert trained later brings compositional rows that need its skill. The first export's are
+# kept (change them with `test_settings`).
+EVALUATION_ONLY_SETTINGS = ("compositional", "eval_limit", "cross_eval")
 BACKGROUND_MODES = ("copy", "ref")
 METRICS_NAME = "metrics.json"
 
@@ -249,8 +253,8 @@ def _check_names(sources: list[SourceExport]) -> None:
 
 
 def _common_settings(sources: list[SourceExport]) -> tuple[dict, list[str]]:
-    """The first export's task settings, once every other export's agree with them (`TRAINING_ONLY_SETTINGS`
-    may differ: noted)."""
+    """The first export's task settings, once every other export's agree with them (`TRAINING_ONLY_SETTINGS` and
+    `EVALUATION_ONLY_SETTINGS` may differ: noted)."""
     first, notes = sources[0], []
     for other in sources[1:]:
         if other.settings["name"] != first.settings["name"]:
@@ -263,6 +267,10 @@ def _common_settings(sources: list[SourceExport]) -> tuple[dict, list[str]]:
             if key in TRAINING_ONLY_SETTINGS:
                 notes.append(f"task.{key} differs ({ours!r} in {first.root}, {theirs!r} in {other.root}): it shapes "
                              "training rows only")
+                continue
+            if key in EVALUATION_ONLY_SETTINGS:
+                notes.append(f"task.{key} differs ({ours!r} in {first.root}, {theirs!r} in {other.root}): it shapes "
+                             f"a run's evaluation only; the first export's is used")
                 continue
             raise CombineError(f"task settings differ: task.{key} is {ours!r} in {first.root} but {theirs!r} in "
                                f"{other.root}, so the compositional test set is not the same for both")
