@@ -248,3 +248,13 @@ def test_compare_decodes_the_same_rows_with_each_method(runs, tmp_path):
     assert compared["alone/A_to_B"]["exact_match"] == pytest.approx(expected["exact_match"])
     with pytest.raises(CombineError, match="unknown method.*nope"):
         combine_exports([e0, e1], limit=2, compare_with=["nope"])
+
+
+def test_decode_only_skips_every_teacher_forced_pass(runs):
+    e0, e1 = runs[0] / "export", runs[1] / "export"
+    scored = combine_exports([e0, e1], limit=8, batch_size=8)
+    decoded = combine_exports([e0, e1], limit=8, batch_size=8, decode_only=True, compare_with=["gated"])
+    assert "nll" in scored["metrics"] and "nll" not in decoded["metrics"]
+    assert decoded["metrics"]["exact_match"] == pytest.approx(scored["metrics"]["exact_match"])  # the same decoding
+    assert set(decoded["compare"]["gated"]) == {"exact_match", "exact_match_n", "exact_match_ci95",
+                                                *(k for k in decoded["metrics"] if "/" in k)}

@@ -335,13 +335,18 @@ def load_composed(folder: Path, *, composition: str = "soft", device: str | torc
 
 
 def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | None = None, batch_size: int = 250,
-             active_threshold: float = 0.01) -> dict[str, float]:
-    """`Task.composition_metrics` of `composed` on the first `limit` rows of the compositional test split."""
+             active_threshold: float = 0.01, scored: bool = True) -> dict[str, float]:
+    """`Task.composition_metrics` of `composed` on the first `limit` rows of the compositional test split;
+    `scored=False`: its decoding metrics only (`Task.evaluate_composition` without the teacher-forced passes, which
+    on long prompts cost several times the decoding)."""
     if composed.names != combination.names:
         raise ValueError(f"the composed model's experts {composed.names} are not the combination's {combination.names}")
     dataset = combination.task.compositional_dataset("test")
     if limit is not None and limit < len(dataset):
         dataset = dataset.select(range(limit))
+    if not scored:
+        return {"n_test": len(dataset), **combination.task.evaluate_composition(_DecodingOnly(composed), dataset,
+                                                                                 batch_size)}
     metrics = combination.task.composition_metrics(composed, dataset, batch_size, active_threshold)
     return {"n_test": len(dataset), **metrics}
 
@@ -446,12 +451,12 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
                     seed: int | None = None, background: str = "copy", overwrite: bool = False,
                     device: str | torch.device | None = None, active_threshold: float = 0.01,
                     allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None,
-                    compare_with: Sequence[str] = ()) -> dict:
+                    compare_with: Sequence[str] = (), decode_only: bool = False) -> dict:
     """Check the exports compose (`check_exports`), evaluate their composition on the task's compositional test
     split, and with `out` write the combined export (atomically, evaluated from its own files before it is moved
     into place; `metrics.json` inside). Without `out`, the composition is loaded from a scratch export that
     references the first export's background. `compare_with`: other methods decoded on the same rows (`compare`),
-    under `"compare"`.
+    under `"compare"`. `decode_only`: no teacher-forced metrics at all (exact match and skill accuracy only).
 
     Returns:
         `{"exports", "experts", "k", "task", "seed", "composition", "n_test", "metrics", "notes", "out"}` (and
@@ -483,10 +488,11 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
         print(f"[combine] {', '.join(combination.names)}: {composition} composition on the compositional test rows "
               f"({composed.paths.describe()})", flush=True)
         metrics = evaluate(combination, composed, limit=limit, batch_size=batch_size,
-                           active_threshold=active_threshold)
+                           active_threshold=active_threshold, scored=not decode_only)
         result.update(n_test=metrics.pop("n_test"), metrics=metrics, notes=combination.notes)
         if compare_with:
-            result["compare"] = compare(combination, composed, compare_with, limit=limit, batch_size=batch_size)
+            result["compare"] = compare(combination, composed, compare_with, limit=limit, batch_size=batch_size,
+                                        scored=() if decode_only else SCORED_METHODS)
 
     if out is None:
         with tempfile.TemporaryDirectory(prefix="combine-") as scratch:
@@ -531,6 +537,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_METHODS, metavar="METHOD",
                    help=f"also decode the same rows with: {', '.join(COMPARE_METHODS)} (alone: each expert by itself; "
                         "the merges need LoRA experts)")
+    p.add_argument("--decode_only", action="store_true",
+                   help="decoding metrics only (exact match, skill accuracy): no teacher-forced pass, which on long "
+                        "prompts costs several times the decoding")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -550,7 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = combine_exports(args.exports, args.out, composition=args.composition, limit=args.limit,
                                  batch_size=args.batch_size, seed=args.seed, background=args.background,
                                  overwrite=args.overwrite, device=device, allow_overlap=args.allow_overlap,
-                                 test_settings=test_settings, compare_with=args.compare)
+                                 test_settings=test_settings, compare_with=args.compare,
+                                 decode_only=args.decode_only)
     except (CombineError, FileExistsError) as err:
         print(f"compose.combine: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
