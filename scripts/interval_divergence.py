@@ -1,7 +1,7 @@
 """How far each expert of a composition moves off the background, by region of the compositional test rows.
 
     python scripts/interval_divergence.py EXPORT [EXPORT ...] [--limit 48] [--test_setting eval_limit=48] \
-        [--out FILE.json]
+        [--perplexity] [--out FILE.json]
 
 For each expert i, the mean KL(p_b ‖ p_i) (teacher-forced on the reference) at the target positions of the
 compositional test rows that lie in its own interval (`own`), in another expert's interval (`other`), and in no
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test_setting", action="append", default=[], metavar="KEY=VALUE",
                         help="a task setting changed for the test split (YAML value; repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
+    parser.add_argument("--perplexity", action="store_true",
+                        help="also the general perplexity of the soft composition and of the background on the "
+                             "held-out general test rows (a whole teacher-forced pass over them)")
     args = parser.parse_args(argv)
 
     from compose.frontends.combine import CombineError, assemble, check_exports, load_composed
@@ -88,9 +91,20 @@ def main(argv: list[str] | None = None) -> dict:
         composed = load_composed(folder)
         result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset),
                   "experts": region_divergence(composed, dataset, combination.task.collator())}
+        if args.perplexity:
+            from compose import ComposedLM
+
+            background = ComposedLM.from_peft(composed.model, [], tokenizer=composed.tokenizer)
+            result["general_perplexity"] = {
+                "composition": combination.task.general_perplexity(composed, "test", 8),
+                "background": combination.task.general_perplexity(background, "test", 8)}
     for name, r in result["experts"].items():
         print(f"{name}: KL(p_b||p_i) own {r['own']:.4f} (n={r['own_n']}), inside another expert's interval "
               f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']})")
+    if "general_perplexity" in result:
+        ppl = result["general_perplexity"]
+        print(f"general perplexity: composition {ppl['composition']:.4f}, background {ppl['background']:.4f} "
+              f"({ppl['composition'] / ppl['background']:.4f} x)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -151,3 +151,16 @@ def test_exports_that_differ_in_their_evaluation_rows_combine(text_run, tmp_path
     trained_differently = one_expert("upper", max_length=longer)  # it shapes the training rows: refused
     with pytest.raises(ValueError, match="task.max_length is"):
         check_exports([calc, trained_differently])
+
+
+def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_run, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("interval_divergence", ROOT / "scripts" / "interval_divergence.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity"])
+    assert set(result["experts"]) == {"calc", "upper"} and result["n_test"] == 2
+    ppl = result["general_perplexity"]
+    assert ppl["composition"] > 1.0 and ppl["background"] > 1.0 and ppl["composition"] != ppl["background"]
+    assert "general perplexity: composition" in capsys.readouterr().out
