@@ -31,7 +31,11 @@ MERGES = ("task_arithmetic", "ties", "dare")
 
 def load(path: Path, index: int) -> tuple[dict, dict]:
     """`(soft metrics, {method: metrics})` of a `separate.json` composition or a combine metrics file."""
-    data = json.loads(((path / "separate.json") if path.is_dir() else path).read_text())
+    file = (path / "separate.json") if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"composition_table: {file}: no such file (a train_separately.py output folder or a "
+                         "compose.combine --metrics file)")
+    data = json.loads(file.read_text())
     if "compositions" in data:
         data = data["compositions"][index]
         if "compare" not in data:
