@@ -42,7 +42,8 @@ def load(path: Path, index: int) -> tuple[dict, dict]:
             raise SystemExit(f"composition_table: {path}: composition {index} has no compared methods "
                              "(train_separately.py --compare)")
         return {"exact_match_n": data["n_test"], **data["metrics"]}, data["compare"]
-    return {**data["metrics"], "exact_match_n": data["n_test"]}, data.get("compare", {})
+    return {**data["metrics"], "exact_match_n": data["n_test"], "composition": data.get("composition", "soft")}, \
+        data.get("compare", {})
 
 
 def fraction(entry: dict, key: str) -> str:
@@ -60,7 +61,7 @@ def ci(entry: dict, key: str = "exact_match") -> tuple[float, float]:
 
 
 def table(soft: dict, compared: dict, skills: list[str]) -> str:
-    rows = {"soft composition": soft, **{k.replace("alone/", "") + (" alone" if k.startswith("alone/") else ""): v
+    rows = {f"{soft.get('composition', 'soft')} composition": soft, **{k.replace("alone/", "") + (" alone" if k.startswith("alone/") else ""): v
                                          for k, v in compared.items() if k != "soft"}}
     head = ["", "exact match", *(f"`{s}` skill accuracy" for s in skills), "off-interval KL", "general perplexity"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
