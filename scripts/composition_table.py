@@ -24,9 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_modules.pipeline.report import wilson_interval  # noqa: E402
-
-MERGES = ("task_arithmetic", "ties", "dare")
+from compose.merges import MERGE_METHODS  # noqa: E402
+from lightning_modules.pipeline.report import fraction_count, fraction_interval  # noqa: E402
 
 
 def load(path: Path, index: int) -> tuple[dict, dict]:
@@ -47,22 +46,22 @@ def load(path: Path, index: int) -> tuple[dict, dict]:
 
 
 def fraction(entry: dict, key: str) -> str:
-    value, n = entry.get(key), entry.get(f"{key}_n")
+    value = entry.get(key)
     if value is None:
         return "–"
-    if not n:
-        return f"{value:.3f}"
-    lo, hi = wilson_interval(round(value * n), n)
-    return f"{value:.3f} [{lo:.2f}, {hi:.2f}]"
+    ci = fraction_interval(value, fraction_count(entry, key))
+    return f"{value:.3f}" if ci is None else f"{value:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
-def ci(entry: dict, key: str = "exact_match") -> tuple[float, float]:
-    return wilson_interval(round(entry[key] * entry[f"{key}_n"]), entry[f"{key}_n"])
+def ci(entry: dict) -> tuple[float, float]:
+    """The 95 % interval of the entry's exact match."""
+    return fraction_interval(entry["exact_match"], fraction_count(entry, "exact_match"))
 
 
 def table(soft: dict, compared: dict, skills: list[str]) -> str:
-    rows = {f"{soft.get('composition', 'soft')} composition": soft, **{k.replace("alone/", "") + (" alone" if k.startswith("alone/") else ""): v
-                                         for k, v in compared.items() if k != "soft"}}
+    rows = {f"{soft.get('composition', 'soft')} composition": soft,
+            **{(k.removeprefix("alone/") + " alone" if k.startswith("alone/") else k): v
+               for k, v in compared.items() if k != "soft"}}
     head = ["", "exact match", *(f"`{s}` skill accuracy" for s in skills), "off-interval KL", "general perplexity"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in rows.items():
@@ -85,7 +84,7 @@ def targets(soft: dict, compared: dict, skills: list[str], skill_bound: float, p
             out.append(f"- `{s}`: soft {mine:.3f} / alone {alone:.3f} = {ratio:.3f} "
                        f"({'meets' if ratio >= skill_bound else 'misses'} ≥ {skill_bound})")
     lo, hi = ci(soft)
-    for m in MERGES:
+    for m in MERGE_METHODS:
         if m in compared:
             m_lo, m_hi = ci(compared[m])
             verdict = "above beyond the intervals" if lo > m_hi else ("above, intervals overlap"

@@ -64,7 +64,7 @@ from compose.quiet import ignore_loading_noise
 from compose.vocab import tokenizer_signature
 from data.tasks import Expert, Task, TaskError, settings_from_node
 from lightning_modules.pipeline.build import new_task
-from lightning_modules.pipeline.report import wilson_interval
+from lightning_modules.pipeline.report import add_intervals
 
 # Task settings that only shape training rows (rows per expert, how often a source is planted) or the run's own
 # length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still share one compositional
@@ -334,6 +334,12 @@ def load_composed(folder: Path, *, composition: str = "soft", device: str | torc
     return ComposedLM.from_manifest(folder, backend=backend, device=device, composition=composition, lazy=True)
 
 
+def _test_rows(combination: Combination, limit: int | None):
+    """The first `limit` rows (all: None) of the combination's compositional test split."""
+    dataset = combination.task.compositional_dataset("test")
+    return dataset if limit is None or limit >= len(dataset) else dataset.select(range(limit))
+
+
 def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | None = None, batch_size: int = 250,
              active_threshold: float = 0.01, scored: bool = True) -> dict[str, float]:
     """`Task.composition_metrics` of `composed` on the first `limit` rows of the compositional test split;
@@ -341,9 +347,7 @@ def evaluate(combination: Combination, composed: ComposedLM, *, limit: int | Non
     on long prompts cost several times the decoding)."""
     if composed.names != combination.names:
         raise ValueError(f"the composed model's experts {composed.names} are not the combination's {combination.names}")
-    dataset = combination.task.compositional_dataset("test")
-    if limit is not None and limit < len(dataset):
-        dataset = dataset.select(range(limit))
+    dataset = _test_rows(combination, limit)
     if not scored:
         return {"n_test": len(dataset), **combination.task.evaluate_composition(_DecodingOnly(composed), dataset,
                                                                                  batch_size)}
@@ -374,9 +378,7 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
     if composed.backend != "adapters" and any(m in MERGE_METHODS for m in methods):
         raise CombineError("compare: merges need every expert to be a LoRA adapter (one PeftModel)")
     task, tok = combination.task, composed.tokenizer
-    dataset = task.compositional_dataset("test")
-    if limit is not None and limit < len(dataset):
-        dataset = dataset.select(range(limit))
+    dataset = _test_rows(combination, limit)
 
     def of_adapters(names: list[str], **kwargs) -> ComposedLM:
         if composed.backend == "adapters":
@@ -423,7 +425,7 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
     finally:  # one_model switches the PeftModel's active adapter
         if active is not None:
             composed.model.set_adapter(active)
-    return {name: _with_ci95({"exact_match_n": len(dataset), **entry}) for name, entry in results.items()}
+    return {name: add_intervals({"exact_match_n": len(dataset), **entry}) for name, entry in results.items()}
 
 
 class _DecodingOnly:
@@ -431,16 +433,6 @@ class _DecodingOnly:
 
     def __init__(self, model: ComposedLM) -> None:
         self.generate, self.device, self.names = model.generate, model.device, model.names
-
-
-def _with_ci95(entry: Mapping[str, float]) -> dict[str, Any]:
-    """`<key>_ci95` (95 % Wilson interval) beside every fraction `<key>` whose count `<key>_n` the entry holds."""
-    out: dict[str, Any] = dict(entry)
-    for key, value in entry.items():
-        n = entry.get(f"{key}_n")
-        if isinstance(n, int) and n > 0 and isinstance(value, int | float) and 0.0 <= value <= 1.0:
-            out[f"{key}_ci95"] = list(wilson_interval(round(value * n), n))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- the command

@@ -76,6 +76,16 @@ def fraction_interval(value, n: int | None, z: float = 1.96) -> tuple[float, flo
     return wilson_interval(round(value * n), n, z)
 
 
+def add_intervals(entry: dict, rows: int | None = None) -> dict:
+    """`entry` with `<key>_ci95: [lo, hi]` added beside every fraction whose count it records (`fraction_count`;
+    `rows`: the rows its exact match was measured on, when the entry does not say). Returns `entry`."""
+    for key in [k for k in entry if not k.endswith(("_n", "_ci95"))]:
+        ci = fraction_interval(entry[key], fraction_count(entry, key, rows))
+        if ci is not None:
+            entry[f"{key}_ci95"] = [round(ci[0], 6), round(ci[1], 6)]
+    return entry
+
+
 def with_intervals(summary: dict) -> dict:
     """A copy of `summary` with `<key>_ci95: [lo, hi]` beside every fraction whose count it records (see
     `fraction_count`): each component's and merge's exact match, the composition's failure types, the
@@ -88,10 +98,7 @@ def with_intervals(summary: dict) -> dict:
                *((b or {}, rows) for b in (out.get("baselines") or {}).values()),
                *((e or {}, None) for v in (out.get("ablations") or {}).values() for e in ((v or {}).get("k") or {}).values())]
     for entry, n in entries:
-        for key in [k for k in entry if not k.endswith(("_n", "_ci95"))]:
-            ci = fraction_interval(entry[key], fraction_count(entry, key, n))
-            if ci is not None:
-                entry[f"{key}_ci95"] = [round(ci[0], 6), round(ci[1], 6)]
+        add_intervals(entry, n)
     failures = composition.get("failures") or {}
     for key in list(failures):
         ci = fraction_interval(failures[key], rows)
