@@ -4,6 +4,7 @@ written as one export; and each reason two exports do not combine, as one line a
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -258,3 +259,78 @@ def test_decode_only_skips_every_teacher_forced_pass(runs):
     assert decoded["metrics"]["exact_match"] == pytest.approx(scored["metrics"]["exact_match"])  # the same decoding
     assert set(decoded["compare"]["gated"]) == {"exact_match", "exact_match_n", "exact_match_ci95",
                                                 *(k for k in decoded["metrics"] if "/" in k)}
+
+
+def test_subset_bounds_composes_every_pair_and_checks_each_skill_against_the_expert_alone(runs, tmp_path, capsys):
+    """`scripts/subset_bounds.py`: three experts trained apart; every pair and the whole set, gated and soft, on the
+    same rows; each skill's ratio is its accuracy in the composition over the expert alone on these rows."""
+    import importlib.util
+
+    from lightning_modules.pipeline.stages import run
+
+    third = tmp_path / "r2"
+    run(load_config([str(FAST)], ["ablations=[]", "baselines=[]", "report=false", f"output_dir={third}", "seed=2",
+                                  f"background.path={runs[0] / 'background'}",
+                                  "experts=[{name: E_to_F, rules: {E: F}}]"], base=DEFAULT))
+    spec = importlib.util.spec_from_file_location("subset_bounds", ROOT / "scripts" / "subset_bounds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    exports = [str(r / "export") for r in (*runs, third)]
+    out = tmp_path / "subsets.json"
+    results = script.main([*exports, "--sizes", "2", "--composition", "gated", "soft", "--limit", "12",
+                           "--batch_size", "12", "--metrics", str(out)])
+    assert json.loads(out.read_text()) == results and results["n_test"] == 12
+    subsets = [(tuple(s["experts"]), s["composition"]) for s in results["subsets"]]
+    pairs = [("A_to_B", "C_to_D"), ("A_to_B", "E_to_F"), ("C_to_D", "E_to_F")]
+    everyone = ("A_to_B", "C_to_D", "E_to_F")
+    assert subsets == [(p, c) for c in ("gated", "soft") for p in (*pairs, everyone)]
+    soft_pair = combine_exports(exports[:2], limit=12, batch_size=12, decode_only=True)["metrics"]
+    entry = results["subsets"][4]  # soft A_to_B + C_to_D: the same decoding as combine's
+    for name in entry["experts"]:
+        assert entry["skills"][name]["accuracy"] == pytest.approx(soft_pair[f"{name}/skill_accuracy"])
+        own = results["alone"][name]["accuracy"]
+        assert entry["skills"][name]["ratio"] == (pytest.approx(soft_pair[f"{name}/skill_accuracy"] / own) if own
+                                                  else None)
+    for s in results["subsets"]:
+        assert s["meets"] == all(v["accuracy"] >= 0.9 * results["alone"][n]["accuracy"] for n, v in s["skills"].items())
+    printed = capsys.readouterr().out
+    assert "| A_to_B + C_to_D | gated |" in printed and "compositions meet the bound (12 rows)" in printed
+    with pytest.raises(SystemExit, match="--sizes \\[3\\]"):
+        script.main([*exports, "--sizes", "3"])
+
+
+def test_subset_bounds_divides_each_skill_by_the_expert_alone(monkeypatch):
+    """The bookkeeping on given metrics: a skill below `bound` × alone fails its subset; the whole set under the
+    first composition reuses the decoding that gave the experts alone."""
+    import importlib.util
+
+    import compose.frontends.combine as combine
+
+    spec = importlib.util.spec_from_file_location("subset_bounds", ROOT / "scripts" / "subset_bounds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    names = {"a": "x", "b": "y", "c": "z"}
+    accuracy = {("x", "y"): {"x": 0.8, "y": 0.5}, ("x", "z"): {"x": 0.9, "z": 0.45},
+                ("y", "z"): {"y": 0.5, "z": 0.3}, ("x", "y", "z"): {"x": 0.85, "y": 0.49, "z": 0.5}}
+    calls = []
+
+    def fake(paths, composition="soft", compare_with=(), **kwargs):
+        key = tuple(names[str(p)] for p in paths)
+        calls.append((key, composition, tuple(compare_with)))
+        metrics = {f"{n}/skill_accuracy": v for n, v in accuracy[key].items()}
+        metrics.update({f"{n}/skill_accuracy_n": 40 for n in key})
+        result = {"experts": list(key), "n_test": 40, "metrics": metrics}
+        if compare_with:
+            result["compare"] = {f"alone/{n}": {f"{n}/skill_accuracy": v, f"{n}/skill_accuracy_n": 40}
+                                 for n, v in {"x": 1.0, "y": 0.5, "z": 0.5}.items()}
+        return result
+
+    monkeypatch.setattr(combine, "combine_exports", fake)
+    results = script.subset_bounds([Path("a"), Path("b"), Path("c")], [2], ["gated"], bound=0.9)
+    assert calls[0] == (("x", "y", "z"), "gated", ("alone",)) and len(calls) == 4  # 1 + 3 pairs, all reused
+    got = {tuple(s["experts"]): (s["worst_ratio"], s["meets"]) for s in results["subsets"]}
+    assert got[("x", "y")] == (pytest.approx(0.8), False)        # x at 0.8 of alone
+    assert got[("x", "z")] == (pytest.approx(0.9), True)         # 0.9 and 0.45 / 0.5 = 0.9: on the bound
+    assert got[("y", "z")] == (pytest.approx(0.6), False)
+    assert got[("x", "y", "z")] == (pytest.approx(0.85), False)
+    assert results["subsets"][0]["skills"]["y"] == {"accuracy": 0.5, "n": 40, "ratio": 1.0, "meets": True}
