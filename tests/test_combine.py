@@ -225,7 +225,7 @@ def test_overlapping_masks_combine_when_allowed_and_are_noted(runs, tmp_path):
     assert any("'A' is shared" in note for note in combination.notes)
 
 
-def test_compare_decodes_the_same_rows_with_each_method(runs, tmp_path):
+def test_compare_decodes_the_same_rows_with_each_method(runs, tmp_path, recwarn):
     """`compare_with`: the other ways to use the same experts, on the rows the composition was scored on; each
     expert alone is that expert's own adapter, and a merge leaves no adapter behind."""
     from data.tasks import Expert
@@ -247,6 +247,7 @@ def test_compare_decodes_the_same_rows_with_each_method(runs, tmp_path):
     alone = ComposedLM.from_peft(loaded.experts, ["A_to_B"], tokenizer=loaded.tokenizer)
     expected = task.evaluate_composition(alone, task.compositional_dataset("test").select(range(16)), 16)
     assert compared["alone/A_to_B"]["exact_match"] == pytest.approx(expected["exact_match"])
+    assert not [w for w in recwarn if "deleted" in str(w.message)]  # the merges go quietly
     with pytest.raises(CombineError, match="unknown method.*nope"):
         combine_exports([e0, e1], limit=2, compare_with=["nope"])
 

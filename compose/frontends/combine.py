@@ -414,7 +414,8 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
                                     seed=combination.seed)
             try:
                 results[method] = evaluate(one_model([merged], [1.0], method), method)
-            finally:
+            finally:  # active again before the merge goes, or peft warns that it was deleted while active
+                composed.model.set_adapter(composed.names[0])
                 composed.model.delete_adapter(merged)
 
     results: dict[str, dict[str, float]] = {}
