@@ -1,13 +1,18 @@
 """How far each expert of a composition moves off the background, by region of the compositional test rows.
 
     python scripts/interval_divergence.py EXPORT [EXPORT ...] [--limit 48] [--test_setting eval_limit=48] \
-        [--perplexity] [--out FILE.json]
+        [--perplexity] [--top1] [--out FILE.json]
 
 For each expert i, the mean KL(p_b ‖ p_i) (teacher-forced on the reference) at the target positions of the
 compositional test rows that lie in its own interval (`own`), in another expert's interval (`other`), and in no
 interval (`none`), with the position counts. An expert trained alone that is composable keeps `other` as small
 as `none`: inside another expert's interval its factor p_i / p_b should be 1. The exports are combined as
 `python -m compose.combine` combines them (`compose.frontends.combine.check_exports`).
+
+`--top1`: how often the background's and the soft composition's most likely next token is not the reference's,
+inside an interval, at the first position after one closes (`after`: the text right after `>>` or `]`), and
+elsewhere in no interval (`none`). Where the experts drift the same way just after their intervals close, the
+composition errs at `after` where the background does not.
 """
 
 from __future__ import annotations
@@ -56,6 +61,42 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8) -> dict[s
     return out
 
 
+TOP1_REGIONS = ("inside", "after", "none")
+
+
+@torch.no_grad()
+def top1_errors(composed, dataset, collate, batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """`{background, composition}` × `{inside, after, none}`: the fraction of target positions where the model's
+    most likely token is not the reference's, and the positions (`<region>_n`)."""
+    from compose import compose_logprobs
+    from losses import IGNORE_INDEX
+
+    errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
+    counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
+    rows = [dataset[i] for i in range(len(dataset))]
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start:start + batch_size])
+        lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
+        soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
+        targets = batch["targets"]
+        valid = targets != IGNORE_INDEX
+        inside = batch["masks"].bool().any(1) & valid  # [B, T]
+        closed = torch.zeros_like(inside)
+        closed[:, 1:] = inside[:, :-1]  # the position before was the last of an interval
+        after = valid & ~inside & closed
+        regions = (inside, after, valid & ~inside & ~after)
+        for m, lp in enumerate((lp_b, soft)):
+            wrong = lp.argmax(-1) != targets
+            for r, region in enumerate(regions):
+                errors[m, r] += int((wrong & region).sum())
+        for r, region in enumerate(regions):
+            counts[r] += int(region.sum())
+    return {model: {**{region: float(errors[m, r] / counts[r]) if counts[r] else float("nan")
+                       for r, region in enumerate(TOP1_REGIONS)},
+                    **{f"{region}_n": int(counts[r]) for r, region in enumerate(TOP1_REGIONS)}}
+            for m, model in enumerate(("background", "composition"))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("exports", nargs="+", help="export folders, in composition order")
@@ -66,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--perplexity", action="store_true",
                         help="also the general perplexity of the soft composition and of the background on the "
                              "held-out general test rows (a whole teacher-forced pass over them)")
+    parser.add_argument("--top1", action="store_true",
+                        help="also how often the background's and the soft composition's top token misses the "
+                             "reference, inside intervals, right after one closes, and elsewhere")
     args = parser.parse_args(argv)
 
     from compose.frontends.combine import CombineError, assemble, check_exports, load_composed
@@ -91,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
         composed = load_composed(folder)
         result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset),
                   "experts": region_divergence(composed, dataset, combination.task.collator())}
+        if args.top1:
+            result["top1_errors"] = top1_errors(composed, dataset, combination.task.collator())
         if args.perplexity:
             from compose import ComposedLM
 
@@ -101,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in result["experts"].items():
         print(f"{name}: KL(p_b||p_i) own {r['own']:.4f} (n={r['own_n']}), inside another expert's interval "
               f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']})")
+    for model, r in result.get("top1_errors", {}).items():
+        print(f"{model}: top token misses the reference " + ", ".join(
+            f"{region} {r[region]:.4f} (n={r[f'{region}_n']})" for region in TOP1_REGIONS))
     if "general_perplexity" in result:
         ppl = result["general_perplexity"]
         print(f"general perplexity: composition {ppl['composition']:.4f}, background {ppl['background']:.4f} "

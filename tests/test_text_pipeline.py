@@ -159,8 +159,23 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
     spec = importlib.util.spec_from_file_location("interval_divergence", ROOT / "scripts" / "interval_divergence.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity"])
+    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1"])
     assert set(result["experts"]) == {"calc", "upper"} and result["n_test"] == 2
     ppl = result["general_perplexity"]
     assert ppl["composition"] > 1.0 and ppl["background"] > 1.0 and ppl["composition"] != ppl["background"]
-    assert "general perplexity: composition" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "general perplexity: composition" in out and "composition: top token misses the reference" in out
+
+    # --top1's regions partition the target positions; `after` is the position following each interval's end
+    from compose.frontends.combine import check_exports
+
+    task = check_exports([text_run / "export"]).task
+    batch = task.collator()([task.compositional_dataset("test")[i] for i in range(2)])
+    valid = batch["targets"] != -100
+    inside = batch["masks"].bool().any(1) & valid
+    ends = int((inside[:, :-1] & ~inside[:, 1:] & valid[:, 1:]).sum())
+    for model in ("background", "composition"):
+        errors = result["top1_errors"][model]
+        assert errors["inside_n"] == int(inside.sum()) and errors["after_n"] == ends > 0
+        assert errors["inside_n"] + errors["after_n"] + errors["none_n"] == int(valid.sum())
+        assert all(0.0 <= errors[r] <= 1.0 for r in ("inside", "after", "none"))
