@@ -9,7 +9,8 @@ constant; elsewhere the gap between the two is measurable (see `max_logprob_gap`
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from peft import PeftModel
@@ -49,6 +50,21 @@ def merge_adapters(model: PeftModel, adapter_names: Sequence[str], method: str =
         torch.manual_seed(seed)
         model.add_weighted_adapter(list(adapter_names), weights, name, **kwargs)
     return name
+
+
+@contextmanager
+def merged_adapter(model: PeftModel, adapter_names: Sequence[str], method: str = "task_arithmetic",
+                   **kwargs) -> Iterator[str]:
+    """`merge_adapters` for the length of a `with` block, which gets the merged adapter's name; afterwards the
+    adapter active before is active again and the merge is deleted (in that order: peft warns when the active
+    adapter is deleted)."""
+    active = model.active_adapter
+    name = merge_adapters(model, adapter_names, method, **kwargs)
+    try:
+        yield name
+    finally:
+        model.set_adapter(active)
+        model.delete_adapter(name)
 
 
 @torch.no_grad()

@@ -102,3 +102,19 @@ def test_unknown_merge_method_is_refused():
     model = lora_model(tiny_llama())
     with pytest.raises(ValueError, match="merge method 'avg' is not one of task_arithmetic, ties, dare"):
         merge_adapters(model, ["a", "b"], "avg")
+
+
+def test_a_merge_for_a_block_is_gone_afterwards_and_the_active_adapter_is_back(recwarn):
+    from compose.merges import merged_adapter
+
+    model = lora_model(tiny_llama())
+    model.set_adapter("b")
+    with merged_adapter(model, ["a", "b"], "ties", seed=0) as name:
+        assert name in model.peft_config
+        model.set_adapter(name)  # decoded as one model: the merge is the active adapter
+        ComposedLM(model, []).score(inputs())
+    assert name not in model.peft_config and model.active_adapter == "b"
+    assert not [w for w in recwarn if "deleted" in str(w.message)]  # peft's warning on deleting the active adapter
+    with pytest.raises(RuntimeError), merged_adapter(model, ["a", "b"]) as name:
+        raise RuntimeError("the block fails")
+    assert name not in model.peft_config and model.active_adapter == "b"

@@ -57,7 +57,7 @@ from compose.export import (
     verify_export,
     write_manifest,
 )
-from compose.merges import MERGE_METHODS, merge_adapters
+from compose.merges import MERGE_METHODS, merged_adapter
 from compose.model_card import write_model_card
 from compose.model_io import load_tokenizer
 from compose.quiet import ignore_loading_noise
@@ -410,13 +410,9 @@ def compare(combination: Combination, composed: ComposedLM, methods: Sequence[st
         elif method == "background":
             results[method] = evaluate(of_adapters([]), method)
         else:
-            merged = merge_adapters(composed.model, composed.names, method, weights=composed.weights,
-                                    seed=combination.seed)
-            try:
+            with merged_adapter(composed.model, composed.names, method, weights=composed.weights,
+                                seed=combination.seed) as merged:
                 results[method] = evaluate(one_model([merged], [1.0], method), method)
-            finally:  # active again before the merge goes, or peft warns that it was deleted while active
-                composed.model.set_adapter(composed.names[0])
-                composed.model.delete_adapter(merged)
 
     results: dict[str, dict[str, float]] = {}
     active = composed.model.active_adapter if composed.backend == "adapters" else None

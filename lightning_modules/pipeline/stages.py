@@ -32,7 +32,7 @@ from compose import ComposedLM
 from compose.atomic import PAUSE_ENV, atomic_save, atomic_write_text, remove_stale_temporaries
 from compose.distributed import agree, barrier, is_leader, sharded
 from compose.export import MANIFEST_NAME, load_manifest, verify_export
-from compose.merges import max_logprob_gap, merge_adapters, task_arithmetic
+from compose.merges import max_logprob_gap, merged_adapter, task_arithmetic
 from compose.model_card import write_model_card
 from data.tasks import Expert, Task
 from lightning_modules.background import BackgroundLM
@@ -577,6 +577,13 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
     batch = task.collator()([test_set[i] for i in range(min(len(test_set), bs))])
     valid = batch["targets"] != IGNORE_INDEX
     composed_lp = composed.score(batch["input_ids"], batch["attention_mask"])
+
+    def evaluate(merged: ComposedLM) -> dict:
+        return {**task.evaluate_composition(sharded(merged), test_set, bs),  # exact match, per-skill accuracy, extras
+                "max_logprob_gap_vs_composed": max_logprob_gap(merged.score(batch["input_ids"],
+                                                                            batch["attention_mask"]), composed_lp,
+                                                               valid)}
+
     results = {}
     for method in cfg.baselines:
         if module.settings.mode != "lora" and method != "task_arithmetic":
@@ -584,18 +591,12 @@ def merge_baselines(cfg: DictConfig, plan: Plan, module: ExpertLM, test_set) -> 
             continue
         console.stage("baselines", f"{method}: merging {', '.join(names)} and decoding {len(test_set)} test rows")
         if module.settings.mode == "lora":
-            merged_name = merge_adapters(module.peft_model, names, method, weights=composed.weights, seed=cfg.seed)
-            merged = ComposedLM.from_peft(module.peft_model, [merged_name], tokenizer=tok)
+            with merged_adapter(module.peft_model, names, method, weights=composed.weights,
+                                seed=cfg.seed) as merged_name:
+                results[method] = evaluate(ComposedLM.from_peft(module.peft_model, [merged_name], tokenizer=tok))
         else:  # task arithmetic of full copies
-            merged = ComposedLM(task_arithmetic(module.background, [module.experts[n] for n in names],
-                                                composed.weights), tokenizer=tok)
-        merged_lp = merged.score(batch["input_ids"], batch["attention_mask"])
-        results[method] = {
-            **task.evaluate_composition(sharded(merged), test_set, bs),  # exact match, per-skill accuracy, extras
-            "max_logprob_gap_vs_composed": max_logprob_gap(merged_lp, composed_lp, valid),
-        }
-        if module.settings.mode == "lora":
-            module.peft_model.delete_adapter(merged_name)
+            results[method] = evaluate(ComposedLM(task_arithmetic(module.background, [module.experts[n] for n in names],
+                                                                  composed.weights), tokenizer=tok))
     return results
 
 
