@@ -32,20 +32,37 @@ sys.path.insert(0, str(ROOT))
 REGIONS = ("own", "other", "none")
 
 
+TOP1_REGIONS = ("inside", "after", "none")
+
+
+def _means(sums: torch.Tensor, counts: torch.Tensor, regions: tuple[str, ...]) -> dict[str, float]:
+    """`{region: sum / count, region_n: count}` (NaN where a region has no position)."""
+    return {**{region: float(sums[r] / counts[r]) if counts[r] else float("nan") for r, region in enumerate(regions)},
+            **{f"{region}_n": int(counts[r]) for r, region in enumerate(regions)}}
+
+
 @torch.no_grad()
-def region_divergence(composed, dataset, collate, batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """`{expert: {own, other, none, own_n, other_n, none_n}}`: mean KL(p_b ‖ p_i) per region and its positions."""
+def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: bool = False) -> dict[str, dict]:
+    """`{expert: {own, other, none, own_n, other_n, none_n}}`: mean KL(p_b ‖ p_i) per region and its positions.
+
+    `top1`: in the same teacher-forced pass, also `"top1_errors": {background, composition}` × `{inside, after,
+    none}`: the fraction of target positions where the model's most likely token is not the reference's (`after`:
+    the first position after an interval closes), and the positions (`<region>_n`)."""
+    from compose import compose_logprobs
     from losses import IGNORE_INDEX, divergence
 
     k = len(composed.names)
     sums = torch.zeros(k, len(REGIONS), dtype=torch.float64)
     counts = torch.zeros(k, len(REGIONS), dtype=torch.long)
+    errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
+    top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
     rows = [dataset[i] for i in range(len(dataset))]
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start:start + batch_size])
         lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
         kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl").double()  # [k, B, T]
-        valid = batch["targets"] != IGNORE_INDEX
+        targets = batch["targets"]
+        valid = targets != IGNORE_INDEX
         masks = batch["masks"].bool().transpose(0, 1) & valid  # [k, B, T]
         anywhere = masks.any(0)
         for i in range(k):
@@ -53,48 +70,23 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8) -> dict[s
             for r, region in enumerate((masks[i], other, valid & ~anywhere)):
                 sums[i, r] += kl[i][region].sum()
                 counts[i, r] += int(region.sum())
-    out = {}
-    for i, name in enumerate(composed.names):
-        out[name] = {region: float(sums[i, r] / counts[i, r]) if counts[i, r] else float("nan")
-                     for r, region in enumerate(REGIONS)}
-        out[name] |= {f"{region}_n": int(counts[i, r]) for r, region in enumerate(REGIONS)}
-    return out
-
-
-TOP1_REGIONS = ("inside", "after", "none")
-
-
-@torch.no_grad()
-def top1_errors(composed, dataset, collate, batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """`{background, composition}` × `{inside, after, none}`: the fraction of target positions where the model's
-    most likely token is not the reference's, and the positions (`<region>_n`)."""
-    from compose import compose_logprobs
-    from losses import IGNORE_INDEX
-
-    errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
-    counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
-    rows = [dataset[i] for i in range(len(dataset))]
-    for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start:start + batch_size])
-        lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
-        soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
-        targets = batch["targets"]
-        valid = targets != IGNORE_INDEX
-        inside = batch["masks"].bool().any(1) & valid  # [B, T]
-        closed = torch.zeros_like(inside)
-        closed[:, 1:] = inside[:, :-1]  # the position before was the last of an interval
-        after = valid & ~inside & closed
-        regions = (inside, after, valid & ~inside & ~after)
-        for m, lp in enumerate((lp_b, soft)):
-            wrong = lp.argmax(-1) != targets
+        if top1:
+            soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
+            closed = torch.zeros_like(anywhere)
+            closed[:, 1:] = anywhere[:, :-1]  # the position before was the last of an interval
+            after = valid & ~anywhere & closed
+            regions = (anywhere, after, valid & ~anywhere & ~after)
+            for m, lp in enumerate((lp_b, soft)):
+                wrong = lp.argmax(-1) != targets
+                for r, region in enumerate(regions):
+                    errors[m, r] += int((wrong & region).sum())
             for r, region in enumerate(regions):
-                errors[m, r] += int((wrong & region).sum())
-        for r, region in enumerate(regions):
-            counts[r] += int(region.sum())
-    return {model: {**{region: float(errors[m, r] / counts[r]) if counts[r] else float("nan")
-                       for r, region in enumerate(TOP1_REGIONS)},
-                    **{f"{region}_n": int(counts[r]) for r, region in enumerate(TOP1_REGIONS)}}
-            for m, model in enumerate(("background", "composition"))}
+                top1_counts[r] += int(region.sum())
+    out: dict[str, dict] = {name: _means(sums[i], counts[i], REGIONS) for i, name in enumerate(composed.names)}
+    if top1:
+        out["top1_errors"] = {model: _means(errors[m].double(), top1_counts, TOP1_REGIONS)
+                              for m, model in enumerate(("background", "composition"))}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,10 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(scratch) / "export"
         assemble(combination, folder, background="ref")
         composed = load_composed(folder)
-        result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset),
-                  "experts": region_divergence(composed, dataset, combination.task.collator())}
+        experts = region_divergence(composed, dataset, combination.task.collator(), top1=args.top1)
+        result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset)}
         if args.top1:
-            result["top1_errors"] = top1_errors(composed, dataset, combination.task.collator())
+            result["top1_errors"] = experts.pop("top1_errors")
+        result["experts"] = experts
         if args.perplexity:
             from compose import ComposedLM
 

@@ -8,8 +8,9 @@ Each expert alone is decoded once on the first `--limit` compositional test rows
 alone`); then every subset of each size in `--sizes`, and the whole set, is composed (`--composition`: one or more
 of soft, gated) and decoded on the same rows, teacher-forced passes skipped. For each skill of a subset, its
 accuracy inside the composition is divided by the expert's accuracy alone on these rows; a subset meets the bound
-when every one of its skills holds at least `--bound` × the expert's accuracy alone. A subset's exact match is left out: the rows need skills it does not hold.
-Prints a markdown table (every accuracy with its 95 % Wilson interval) and writes the results with `--metrics`.
+when every one of its skills holds at least `--bound` × the expert's accuracy alone. A subset's exact match is left
+out: the rows need skills it does not hold. Prints a markdown table (every accuracy with its 95 % Wilson interval)
+and writes the results with `--metrics`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def skill(metrics: dict, name: str) -> tuple[float | None, int | None]:
 def subset_bounds(exports: list[Path], sizes: list[int], compositions: list[str], *, limit: int | None = None,
                   batch_size: int = 32, bound: float = 0.9, test_settings: dict | None = None) -> dict:
     """Compose each subset and check its skills against the experts alone. Returns `{"alone": {name: {accuracy,
-    n}}, "subsets": [{experts, composition, skills: {name: {accuracy, n, ratio, meets}}, worst_ratio, meets}], "bound",
-    "n_test"}`."""
+    n}}, "subsets": [{experts, composition, skills: {name: {accuracy, n, ratio, meets}}, worst_ratio, meets}],
+    "bound", "n_test"}`."""
     from compose.frontends.combine import combine_exports
 
     k = len(exports)

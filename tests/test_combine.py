@@ -262,20 +262,26 @@ def test_decode_only_skips_every_teacher_forced_pass(runs):
                                                 *(k for k in decoded["metrics"] if "/" in k)}
 
 
+def _subset_bounds():
+    """`scripts/subset_bounds.py` as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("subset_bounds", ROOT / "scripts" / "subset_bounds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def test_subset_bounds_composes_every_pair_and_checks_each_skill_against_the_expert_alone(runs, tmp_path, capsys):
     """`scripts/subset_bounds.py`: three experts trained apart; every pair and the whole set, gated and soft, on the
     same rows; each skill's ratio is its accuracy in the composition over the expert alone on these rows."""
-    import importlib.util
-
     from lightning_modules.pipeline.stages import run
 
     third = tmp_path / "r2"
     run(load_config([str(FAST)], ["ablations=[]", "baselines=[]", "report=false", f"output_dir={third}", "seed=2",
                                   f"background.path={runs[0] / 'background'}",
                                   "experts=[{name: E_to_F, rules: {E: F}}]"], base=DEFAULT))
-    spec = importlib.util.spec_from_file_location("subset_bounds", ROOT / "scripts" / "subset_bounds.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _subset_bounds()
     exports = [str(r / "export") for r in (*runs, third)]
     out = tmp_path / "subsets.json"
     results = script.main([*exports, "--sizes", "2", "--composition", "gated", "soft", "--limit", "12",
@@ -303,13 +309,9 @@ def test_subset_bounds_composes_every_pair_and_checks_each_skill_against_the_exp
 def test_subset_bounds_divides_each_skill_by_the_expert_alone(monkeypatch):
     """The bookkeeping on given metrics: a skill below `bound` × alone fails its subset; the whole set under the
     first composition reuses the decoding that gave the experts alone."""
-    import importlib.util
-
     import compose.frontends.combine as combine
 
-    spec = importlib.util.spec_from_file_location("subset_bounds", ROOT / "scripts" / "subset_bounds.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _subset_bounds()
     names = {"a": "x", "b": "y", "c": "z"}
     accuracy = {("x", "y"): {"x": 0.8, "y": 0.5}, ("x", "z"): {"x": 0.9, "z": 0.45},
                 ("y", "z"): {"y": 0.5, "z": 0.3}, ("x", "y", "z"): {"x": 0.85, "y": 0.49, "z": 0.5}}
