@@ -27,9 +27,9 @@ class Collator:
     """Pad task rows (`data.tasks.base`) into a batch, optionally corrupting teacher-forced outputs.
 
     Output (`B` rows, `T` = longest row, right padding): `input_ids` `[B, T]` (pad id), `attention_mask`
-    `[B, T]`, `targets` `[B, T]` (`-100` on padding), `masks` bool `[B, k, T]` (False on padding), and every
-    other numeric column (`expert_index`, `is_task`, `output_start`, ...) as a `[B]` tensor. String columns
-    are dropped.
+    `[B, T]`, `targets` `[B, T]` (`-100` on padding), `masks` bool `[B, k, T]` (False on padding), a column with
+    one integer per token (`after_close`) as `[B, T]` (0 on padding), and every other numeric column
+    (`expert_index`, `is_task`, `output_start`, ...) as a `[B]` tensor. String columns are dropped.
 
     Prefix corruption: each token of a row's output span (`output_start .. output_start + output_len - 1`)
     is replaced with probability `corruption_prob` by a uniformly drawn *different* token of
@@ -92,6 +92,10 @@ class Collator:
         for key, value in rows[0].items():
             if key in batch or isinstance(value, str):
                 continue
+            if isinstance(value, Sequence | Tensor) and len(value) == lengths[0] and not (
+                    isinstance(value, Tensor) and value.dim() == 0):
+                batch[key] = self._pad_per_token(rows, key, lengths, width)
+                continue
             if isinstance(value, Tensor) and value.dim() == 0:
                 value = value.item()
             if not isinstance(value, int | float):
@@ -104,6 +108,16 @@ class Collator:
         if self.high > 0.0:
             self._corrupt(batch)
         return batch
+
+    @staticmethod
+    def _pad_per_token(rows: list[dict[str, Any]], key: str, lengths: list[int], width: int) -> Tensor:
+        """A column with one integer per token (as `after_close`), right-padded with 0 to `[B, T]`."""
+        out = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            if key not in row or len(row[key]) != n:
+                raise ValueError(f"row {b}: column {key!r} needs one value per token ({n})")
+            out[b, :n] = torch.as_tensor(row[key], dtype=torch.long)
+        return out
 
     def _corrupt(self, batch: dict[str, Tensor]) -> None:
         if "output_start" not in batch or "output_len" not in batch:

@@ -77,12 +77,16 @@ def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, 
 
 
 def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: random.Random,
-                         n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None) -> tuple[str, str]:
-    """`(prompt, response)` with up to `n_spans` random foreign spans inserted (fewer when the response has
-    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`."""
+                         n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None
+                         ) -> tuple[str, str, list[int]]:
+    """`(prompt, response, ends)` with up to `n_spans` random foreign spans inserted (fewer when the response has
+    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`. `ends`: for each
+    span, sorted, the index in the new response of the first character after its end delimiter (where the text
+    goes on once the foreign span has closed)."""
     pairs = list(pool) if pool is not None else delimiter_pool(own)
     if not pairs:
         raise ValueError(f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
+    ends: list[int] = []
     for _ in range(n_spans):
         spaces = _boundaries(response, own)
         if not spaces:
@@ -98,5 +102,7 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: ran
             continue  # the span would have touched the expert's own intervals (a regex delimiter matched it)
         if before and before in prompt:  # the echoed sentence in the prompt gets the span where it stands
             prompt = prompt.replace(before + " ", f"{before} {start}{content}{end} ")
+        added = len(new_response) - len(response)
+        ends = sorted([e + added * (e > at) for e in ends] + [at + added])
         response = new_response
-    return prompt, response
+    return prompt, response, ends

@@ -85,6 +85,9 @@ class ExpertSettings:
             (the top L layers) or a tuple of layer indices; `target_modules="all-linear"` then means the linear
             layers of those decoder layers. Not with the output head among the targets (`lm_head`).
         reg_weight: λ of the regularizer; 0 is plain fine-tuning.
+        reg_after_close: how many times the regularizer counts the first position after an interval closes, the
+            expert's own or a foreign span of its regularizer rows (the rows' `after_close` column, text task), 1
+            counting it as any other: where experts drift alike, the rule adds their drifts.
         divergence, jsd_beta, temperature: the divergence `D`, a name in `losses.DIVERGENCES`.
         task_loss_on_mask_only: score the task NLL on mask positions only.
         lr, weight_decay, warmup_ratio, max_steps: AdamW and its warm-up/cosine schedule.
@@ -111,6 +114,7 @@ class ExpertSettings:
     target_modules: str | tuple[str, ...] = "all-linear"
     lora_layers: str | tuple[int, ...] | None = None
     reg_weight: float = 3.0
+    reg_after_close: float = 1.0
     divergence: str = "forward_kl"
     jsd_beta: float = 0.5
     temperature: float = 3.0
@@ -145,6 +149,12 @@ class ExpertSettings:
         """The settings that do not go together, each rule once."""
         chunk, cache, none = ("loss_chunk_size",), ("background_top_k",), (None, None)
         self._check_layers()
+        if self.reg_after_close < 0:
+            raise SettingsError("{after} must be >= 0 (1 weighs those positions as any other)",
+                                after=("reg_after_close", self.reg_after_close))
+        if self.reg_after_close != 1 and self.regularizer == "features":
+            raise SettingsError("{after} needs {token} (the feature regularizer weighs every position alike)",
+                                after=("reg_after_close", self.reg_after_close), token=("regularizer", "token"))
         if self.position_jump and self.background_top_k is not None:
             raise SettingsError("{jump} cannot be used with {cache} (the cache holds one set of positions per row): "
                                 "set one of them to 0 / {none}", jump=("position_jump",), cache=cache, none=none)
@@ -472,7 +482,8 @@ class ExpertLM(pl.LightningModule):
                   else self.cached_background(batch))
         logits = self.expert_logits(ids, attn, expert_index, positions)
         nll = task_nll(logits, task_targets(batch, h.task_loss_on_mask_only))
-        reg = self.regularizer_loss(logits, bg, targets, own_mask, expert_index) if h.reg_weight > 0 else None
+        reg = (self.regularizer_loss(logits, bg, targets, own_mask, expert_index, self._position_weight(batch))
+               if h.reg_weight > 0 else None)
         if log_now:
             self._log_per_expert(logits.detach(), bg, targets, own_mask, expert_index, is_task)
         return nll, reg
@@ -486,7 +497,8 @@ class ExpertLM(pl.LightningModule):
         scored, off = task_targets(batch, h.task_loss_on_mask_only), region_positions(targets, own_mask, "off")
         terms = [RowSum(scored != IGNORE_INDEX, scored)]
         if h.reg_weight > 0:
-            terms.append(RowSum(off, divergence=h.divergence, beta=h.jsd_beta, temperature=h.temperature))
+            terms.append(RowSum(off, divergence=h.divergence, beta=h.jsd_beta, temperature=h.temperature,
+                                weight=self._position_weight(batch)))
         if log_now:  # `_log_per_expert`'s metrics: the NLL of task rows, the forward KL (T = 1) off the mask
             terms += [RowSum((targets != IGNORE_INDEX) & is_task.unsqueeze(1), targets, grad=False),
                       RowSum(off, divergence="forward_kl", grad=False)]
@@ -528,14 +540,26 @@ class ExpertLM(pl.LightningModule):
             self.log("train/bg_cache_miss_rate", len(missing) / len(keys))
         return self.background_cache.gather(keys, ids.device)
 
+    def _position_weight(self, batch: dict[str, Tensor]) -> Tensor | None:
+        """The regularizer's weight per position: `reg_after_close` right after an interval closes, else 1 (None
+        when `reg_after_close` is 1)."""
+        weight = self.settings.reg_after_close
+        if weight == 1:
+            return None
+        if "after_close" not in batch:
+            raise ValueError("reg_after_close needs training rows that mark where intervals close (the text "
+                             "task's after_close column)")
+        return 1.0 + (weight - 1.0) * batch["after_close"].float()
+
     def regularizer_loss(self, logits: Tensor, bg: Tensor, targets: Tensor, own_mask: Tensor,
-                         expert_index: Tensor) -> Tensor:
-        """The regularizer (before λ): `off_mask_divergence`, or with `regularizer="features"` the per-feature
-        `feature_divergence`, each row's expert free only on its mask and only on the features it owns."""
+                         expert_index: Tensor, position_weight: Tensor | None = None) -> Tensor:
+        """The regularizer (before λ): `off_mask_divergence` (each position weighted by `position_weight`), or with
+        `regularizer="features"` the per-feature `feature_divergence`, each row's expert free only on its mask and
+        only on the features it owns."""
         h = self.settings
         kwargs = dict(kind=h.divergence, beta=h.jsd_beta, temperature=h.temperature)
         if h.regularizer != "features":
-            return off_mask_divergence(logits, bg, targets, own_mask, **kwargs)
+            return off_mask_divergence(logits, bg, targets, own_mask, position_weight=position_weight, **kwargs)
         if not isinstance(bg, Tensor):
             raise ValueError("regularizer='features' needs the background's full logits (no background cache)")
         masks = feature_masks(own_mask, self.owned[expert_index])

@@ -28,11 +28,13 @@ Head = Callable[[Tensor], Tensor]  # an output head: hidden states [B, c, d] -> 
 @dataclass(frozen=True)
 class RowSum:
     """One quantity summed per row over `positions` (`[B, T]` bool): the expert's NLL of `targets` (when
-    `divergence` is None), else `losses.divergence(kind=divergence, beta, temperature)` against the background.
-    `grad=False`: a metric only (computed without a graph)."""
+    `divergence` is None), else `losses.divergence(kind=divergence, beta, temperature)` against the background;
+    each position's value times `weight` (`[B, T]`) when given. `grad=False`: a metric only (computed without a
+    graph)."""
 
     positions: Tensor
     targets: Tensor | None = None
+    weight: Tensor | None = None
     divergence: str | None = None
     beta: float = 0.5
     temperature: float = 1.0
@@ -45,7 +47,7 @@ class RowSum:
                 t = t[rows]
             return t if t is None or block is None else t[:, block]
 
-        return replace(self, positions=pick(self.positions), targets=pick(self.targets))
+        return replace(self, positions=pick(self.positions), targets=pick(self.targets), weight=pick(self.weight))
 
 
 def row_sums(expert_logits: Tensor, background_logits: Tensor | None, terms: Sequence[RowSum]) -> Tensor:
@@ -60,6 +62,8 @@ def row_sums(expert_logits: Tensor, background_logits: Tensor | None, terms: Seq
             else:  # as `off_mask_divergence`
                 values = divergence(expert_logits[keep], background_logits[keep], term.divergence,
                                     beta=term.beta, temperature=term.temperature)
+            if term.weight is not None:
+                values = values * term.weight[keep].to(values)
             row = keep.nonzero(as_tuple=True)[0]
             sums.append(values.new_zeros(keep.shape[0]).index_add(0, row, values))
     return torch.stack(sums)

@@ -67,11 +67,13 @@ def off_mask_divergence(
     beta: float = 0.5,
     temperature: float = 1.0,
     row_weight: Tensor | None = None,
+    position_weight: Tensor | None = None,
 ) -> Tensor:
     """The regularizer of docs/method.md, the regularizer: ``mean_{t ∉ M_i} D(p_i(·|t), p_b(·|t))``.
 
     The mean of :func:`losses.divergence` over the off-mask target positions (``targets != -100``
-    and not in ``mask``; the ``<eos>`` target included).
+    and not in ``mask``; the ``<eos>`` target included); with ``position_weight``, each position's
+    divergence counts that many times (the sum still divided by the number of positions).
 
     Args:
         expert_logits: ``[B, T, V]`` expert logits (gradients flow here).
@@ -83,6 +85,8 @@ def off_mask_divergence(
         mask: ``[B, T]`` bool, the expert's mask.
         kind, beta, temperature: see :func:`losses.divergence`.
         row_weight: optional ``[B]`` 0/1: only rows with a nonzero weight are regularized.
+        position_weight: optional ``[B, T]`` float, the weight of each position (e.g. more right after an
+            interval closes: `data.tasks.text.after_close_positions`).
 
     Returns:
         0-dim float32 tensor; ``0.0`` (attached to the expert's graph) when there is no such position.
@@ -108,6 +112,11 @@ def off_mask_divergence(
         per_position = divergence(
             expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature
         )
+    if position_weight is not None:
+        if position_weight.shape != targets.shape:
+            raise ValueError(f"position_weight has shape {tuple(position_weight.shape)} but targets has "
+                             f"{tuple(targets.shape)}")
+        per_position = per_position * position_weight.to(per_position)[keep]
     return per_position.sum() / keep.sum().clamp_min(1)
 
 

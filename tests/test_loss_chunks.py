@@ -94,6 +94,25 @@ def test_chunked_losses_with_the_task_loss_on_the_mask_only_no_regularizer_and_a
     assert_same_step(module(position_jump=5), chunks=(3,))
 
 
+def test_after_close_weight_scales_those_positions_in_the_plain_and_chunked_regularizer():
+    data = batch()
+    data["after_close"] = (torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.3).long()
+    m = module(reg_after_close=4.0)
+    assert_same_step(m, chunks=(1, 4), data=data)
+    # the weighted regularizer is the plain one plus 3 × the marked positions' share of it
+    reg = lambda mm, d: step(mm, None, d)[2]["train/reg"]  # noqa: E731
+    plain, weighted = reg(module(), data), reg(m, data)
+    only_marked = dict(data, masks=data["masks"] | ~data["after_close"].bool().unsqueeze(1))
+    torch.testing.assert_close(weighted, plain + 3.0 * reg(module(), only_marked) * _off(only_marked) / _off(data))
+    with pytest.raises(ValueError, match="after_close"):
+        step(m, None, batch())
+
+
+def _off(data: dict) -> float:
+    """The number of off-mask target positions (what the regularizer divides by)."""
+    return float(((data["targets"] != IGNORE_INDEX) & ~data["masks"][:, 0]).sum())
+
+
 def test_chunked_losses_stay_attached_when_no_position_counts():
     data = batch()
     data["targets"][:] = IGNORE_INDEX

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from compose.intervals import IntervalSpec, interval_char_spans
@@ -44,8 +45,11 @@ def test_spans_go_outside_the_own_intervals_and_into_the_echoed_prompt():
     response = "Tom sold <<47+8=55>> cups to Ben today."
     prompt = "Repeat: Tom sold <<47+8=>> cups to Ben today.\n"
     for _ in range(200):
-        p, r = insert_foreign_spans(prompt, response, CALC_SPEC, rng, n_spans=2)
+        p, r, ends = insert_foreign_spans(prompt, response, CALC_SPEC, rng, n_spans=2)
         assert [r[a:b] for a, b in interval_char_spans(r, CALC_SPEC)] == ["47+8=55>>"]  # own span untouched
+        # each span's end: right after a pool end delimiter, where the original text goes on (at a space)
+        assert 1 <= len(ends) <= 2 and ends == sorted(ends)
+        assert all(r[e] == " " and any(r[:e].endswith(b) for _, b in DELIMITER_POOL) for e in ends)
         assert r != response and "<" not in r.replace("<<47+8=55>>", "")  # no pair with the own characters
         assert len(r.split()) > len(response.split())
         if r.startswith("Tom ") and not r.startswith("Tom sold <<"):  # inserted right after "Tom"
@@ -53,7 +57,7 @@ def test_spans_go_outside_the_own_intervals_and_into_the_echoed_prompt():
 
 
 def test_no_boundary_outside_the_own_interval_leaves_the_text():
-    assert insert_foreign_spans("x", "[a b c]", UPPER_SPEC, random.Random(0)) == ("x", "[a b c]")
+    assert insert_foreign_spans("x", "[a b c]", UPPER_SPEC, random.Random(0)) == ("x", "[a b c]", [])
 
 
 # --- own+foreign rows ---------------------------------------------------------------------------------
@@ -74,6 +78,62 @@ def test_foreign_rows_are_built_from_own_and_general_rows_with_foreign_spans(tok
             assert own_delims == (row["task_on_mask"] == 1) == any(row["masks"][0])
         for row in from_own:  # the skill's own spans, unchanged, and its mask on exactly them
             assert len(interval_char_spans(row["y"], spec)) >= 1
+
+
+def test_after_close_marks_the_first_token_after_each_own_and_foreign_span(tok):
+    t = make_task(tok, reg_data="own+foreign")
+    rows = t.expert_dataset("train")
+    for row in rows:
+        spec = (CALC_SPEC, UPPER_SPEC)[row["expert_index"]]
+        after, start = row["after_close"], row["output_start"]
+        assert len(after) == len(row["input_ids"]) and set(after) <= {0, 1}
+        # every marked position predicts a token (or the EOS) of the response, outside the own mask
+        marked = [i for i, a in enumerate(after) if a]
+        assert all(start - 1 <= i <= start - 1 + row["output_len"] and not row["masks"][0][i] for i in marked)
+        # the token before each marked position ends a span: the own end delimiter or a pool end delimiter
+        text_before = [tok.decode(row["input_ids"][start:i + 1]) for i in marked]
+        ends = [spec.end] + [b for _, b in DELIMITER_POOL]
+        assert all(any(x.rstrip().endswith(e) for e in ends) for x in text_before), text_before
+        n_own = len(interval_char_spans(row["y"], spec))
+        assert len(marked) >= (n_own if row["is_task"] else n_own + 1)  # a regularizer row holds a foreign span
+    own_rows = [r for r in rows if r["is_task"] == 1]
+    assert all(sum(r["after_close"]) == len(interval_char_spans(r["y"], (CALC_SPEC, UPPER_SPEC)[r["expert_index"]]))
+               for r in own_rows)
+
+
+def test_a_training_step_weighs_the_positions_after_a_close(tok):
+    """The text task's rows through its collator into ExpertLM: `reg_after_close` raises the regularizer by the
+    marked positions' divergence, and 1 leaves it as it was."""
+    from lightning_modules.expert import ExpertLM, ExpertSettings
+
+    t = make_task(tok, reg_data="own+foreign")
+    rows = [r for r in t.expert_dataset("train") if r["is_task"] == 0][:8]
+    batch = t.collator()(rows)
+    assert batch["after_close"].shape == batch["targets"].shape and batch["after_close"].sum() >= 8
+
+    def reg(weight: float) -> float:
+        m = ExpertLM(tiny_llama(len(tok), 0), ["calc", "upper"], ExpertSettings(lora_r=2, reg_after_close=weight))
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.2)  # an expert that differs from the background
+        logged = {}
+        m.log = lambda key, value, **_: logged.__setitem__(key, float(value))
+        m.training_step(batch, 0)
+        return logged["train/reg"]
+
+    plain, weighted = reg(1.0), reg(5.0)
+    assert plain > 0 and weighted > plain * 1.05
+
+
+def test_bad_after_close_weights_are_refused_naming_the_key():
+    from lightning_modules.expert import ExpertSettings
+
+    assert load_config([], ["expert.reg_after_close=8"]).expert.reg_after_close == 8
+    with pytest.raises(ConfigError, match=r"expert.reg_after_close=-1.0: must be a finite number >= 0"):
+        load_config([], ["expert.reg_after_close=-1"])
+    with pytest.raises(ValueError, match="reg_after_close=2.0 needs regularizer='token'"):
+        ExpertSettings(reg_after_close=2.0, regularizer="features")
 
 
 def test_an_experts_rows_do_not_depend_on_the_other_experts(tok):

@@ -21,6 +21,7 @@ it, e.g. through a chat template).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -123,11 +124,13 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt/response pair read from a file; `where` names it in errors ("FILE row N")."""
+    """One prompt/response pair read from a file; `where` names it in errors ("FILE row N"). `foreign_ends`: in a
+    row given random foreign spans, the response index right after each span's end delimiter."""
 
     prompt: str
     response: str
     where: str
+    foreign_ends: tuple[int, ...] = ()
 
 
 @dataclass
@@ -260,7 +263,24 @@ def response_mask(enc: Encoded, spec: IntervalSpec) -> list[int]:
     return [0] * (p - 1) + inside + [0, 0]
 
 
-def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: int) -> dict[str, Any]:
+AFTER_CLOSE_FEATURE = {"after_close": datasets.List(datasets.Value("int8"))}  # expert rows: `after_close_positions`
+
+
+def after_close_positions(enc: Encoded, spec: IntervalSpec) -> list[int]:
+    """1 at the target position predicting the first token after each interval of `spec` closes, and after each
+    foreign span of the row (`Example.foreign_ends`): where the text goes on once a span is done (the EOS target
+    when the span ends the response). Over the `targets` positions, as `response_mask`. The regularizer can weigh
+    these positions more (`expert.reg_after_close`): there two experts that each drift a little drift alike."""
+    ends = {b for _, b in interval_char_spans(enc.example.response, spec)} | set(enc.example.foreign_ends)
+    p, starts = len(enc.prompt_ids), [s for s, _ in enc.offsets]
+    after = [0] * (p - 1) + [0] * len(starts) + [0, 0]
+    for end in ends:  # the first token that begins at or after the end (a token straddling it is inside)
+        j = next((j for j, s in enumerate(starts) if s >= end and not enc.special[j]), len(starts))
+        after[p - 1 + j] = 1
+    return after
+
+
+def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: Any) -> dict[str, Any]:
     """One row (columns of `data.tasks.base`) with one mask per spec."""
     p, response = len(enc.prompt_ids), enc.response_ids
     return {
@@ -277,7 +297,7 @@ def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: int
 
 def rows_to_dataset(rows: Sequence[dict[str, Any]], expert_columns: bool = False) -> datasets.Dataset:
     """Rows as a `datasets.Dataset` with fixed column types (also when there are none)."""
-    features = datasets.Features({**ROW_FEATURES, **(EXPERT_FEATURES if expert_columns else {})})
+    features = datasets.Features({**ROW_FEATURES, **(EXPERT_FEATURES | AFTER_CLOSE_FEATURE if expert_columns else {})})
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in features}, features=features)
 
 
@@ -520,17 +540,21 @@ class TextTask(Task):
         for j, name in enumerate(self.trained):
             spec = self.specs[self.expert_names.index(name)]
             own = self.own[name][split]
-            rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=1, task_on_mask=1) for enc in own]
+            row = functools.partial(self._expert_row, spec=spec, expert_index=j)
+            rows += [row(enc, 1, 1) for enc in own]
             if split == "train" and self.reg_data in ("background", "own+background"):
-                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=0)
-                         for enc in self._regularizer_examples(name, len(own), self.general["train"])]
+                rows += [row(enc, 0, 0) for enc in self._regularizer_examples(name, len(own), self.general["train"])]
             elif split == "train" and self.reg_data == "own+samples":
-                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=0)
+                rows += [row(enc, 0, 0)
                          for enc in self._regularizer_examples(name, len(own), self._sampled_pool(name, spec))]
             elif split == "train" and self.reg_data == "own+foreign":
-                rows += [make_row(enc, [spec], self.eos, expert_index=j, is_task=0, task_on_mask=int(from_own))
-                         for enc, from_own in self._foreign_examples(name, spec, len(own))]
+                rows += [row(enc, 0, int(from_own)) for enc, from_own in self._foreign_examples(name, spec, len(own))]
         return rows
+
+    def _expert_row(self, enc: Encoded, is_task: int, task_on_mask: int, *, spec: IntervalSpec,
+                    expert_index: int) -> dict[str, Any]:
+        return make_row(enc, [spec], self.eos, expert_index=expert_index, is_task=is_task, task_on_mask=task_on_mask,
+                        after_close=after_close_positions(enc, spec))
 
     def _regularizer_examples(self, name: str, n: int, pool: Sequence[Encoded]) -> list[Encoded]:
         if not pool:
@@ -569,9 +593,9 @@ class TextTask(Task):
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
         examples = []
         for enc, _ in sources:
-            prompt, response = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
-                                                    n_spans=rng.randint(1, 2))
-            examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)"))
+            prompt, response, ends = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
+                                                          n_spans=rng.randint(1, 2))
+            examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(ends)))
         encoded = encode_examples(self._tokenizer, examples)
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
                 if len(enc) <= self.cfg.max_length]

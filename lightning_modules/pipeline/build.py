@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 SETTING_KEYS = {
     "mode": "expert.mode", "lora_r": "expert.lora.r", "lora_alpha": "expert.lora.alpha",
     "target_modules": "expert.lora.target_modules", "lora_layers": "expert.lora.layers",
-    "reg_weight": "expert.reg_weight",
+    "reg_weight": "expert.reg_weight", "reg_after_close": "expert.reg_after_close",
     "divergence": "expert.divergence", "jsd_beta": "expert.jsd_beta", "temperature": "expert.temperature",
     "task_loss_on_mask_only": "expert.task_loss_on_mask_only", "lr": "expert.optim.lr",
     "weight_decay": "expert.optim.weight_decay", "warmup_ratio": "expert.optim.warmup_ratio",
@@ -105,7 +105,7 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
         return ExpertSettings(
             mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha, target_modules=lora_target_modules(cfg),
             lora_layers=_plain(e.lora.layers),
-            reg_weight=e.reg_weight, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
+            reg_weight=e.reg_weight, reg_after_close=e.reg_after_close, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
             task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
             warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps,
             active_threshold=cfg.composition.active_threshold,

@@ -165,6 +165,9 @@ class ExpertTrainingConfig:
     corruption_prob: Any = 0.2  # a number, or [low, high] (a rate per row), as background.corruption_prob
     # The off-mask regularizer of docs/method.md, the regularizer: λ · mean_{t∉M} D(p_i, p_b). λ = 0 is plain fine-tuning.
     reg_weight: float = ExpertSettings.reg_weight
+    # how many times the regularizer counts the first position after an interval closes (the expert's own, or a
+    # foreign span of reg_data=own+foreign; text task); 1: as any other position
+    reg_after_close: float = ExpertSettings.reg_after_close
     divergence: str = ExpertSettings.divergence  # forward_kl | reverse_kl | jsd | log_ratio (losses.DIVERGENCES)
     jsd_beta: float = ExpertSettings.jsd_beta
     temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
@@ -498,6 +501,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "expert.lora.r": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "expert.lora.alpha": (lambda v: _number(v) and v > 0, "a number > 0"),
     "expert.reg_weight": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "expert.reg_after_close": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (1: as any position)"),
     "expert.temperature": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "expert.jsd_beta": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "background.corruption_prob": (lambda v: _rate_ok(v), "a number in [0, 1] or [low, high] within it"),

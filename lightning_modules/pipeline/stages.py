@@ -455,8 +455,9 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     cfg = with_logging_interval(cfg, dm, e.max_steps)
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
-    print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}), "
-          f"reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
+    after_close = f", ×{e.reg_after_close} after a close" if e.reg_after_close != 1 else ""
+    print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}"
+          f"{after_close}), reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
     callbacks = [
         CompositionEvaluation(plan.task, batch_size=c.eval_batch_size, limit=c.val_limit,
                               active_threshold=c.active_threshold),
