@@ -39,12 +39,15 @@ def decode_until_eos(tokenizer: PreTrainedTokenizerBase, generated: Tensor, prom
 
 @torch.no_grad()
 def greedy_decode(model, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]], batch_size: int,
-                  max_new_tokens: int | Callable[[Sequence[Sequence[int]]], int]) -> tuple[list[str], list[bool]]:
+                  max_new_tokens: int | Callable[[Sequence[Sequence[int]]], int],
+                  stop_strings: Sequence[str] = ()) -> tuple[list[str], list[bool]]:
     """Greedy outputs of `model.generate` (a `ComposedLM`) for prompt ids, up to EOS, and whether each ended.
 
     Args:
         prompts: token ids per prompt (left-padded here, in batches of `batch_size`).
         max_new_tokens: a budget, or a function of each batch's prompts giving one.
+        stop_strings: an output also ends before the first of these (a base model, which ends a line of its
+            prompt's pattern rather than emitting EOS).
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
@@ -54,9 +57,11 @@ def greedy_decode(model, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[S
         chunk = prompts[start:start + batch_size]
         ids, attn = left_padded(chunk, pad)
         budget = max_new_tokens(chunk) if callable(max_new_tokens) else max_new_tokens
+        stop = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
         out = model.generate(ids.to(device), attn.to(device), max_new_tokens=budget, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
+                             eos_token_id=eos, pad_token_id=pad, **stop)
         for text, done in decode_until_eos(tokenizer, out.cpu(), ids.shape[1], eos):
-            texts.append(text)
-            ended.append(done)
+            cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=None)
+            texts.append(text if cut is None else text[:cut])
+            ended.append(done or cut is not None)
     return texts, ended

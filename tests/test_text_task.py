@@ -482,6 +482,27 @@ def test_evaluation_on_a_tiny_composed_llama(tok):
     assert len(ci["calc/skill_accuracy_ci95"]) == 2 and len(ci["exact_match_ci95"]) == 2
 
 
+def test_stop_strings_end_a_prediction_before_them(tok):
+    """A base model goes on with its prompt's pattern instead of emitting EOS: `task.stop_strings` cut the
+    prediction before the first stop string and count it as ended."""
+    t = make_task(tok, config(max_new_tokens=12, limit=4))
+    model = ComposedLM(tiny_llama(len(tok), 0), tokenizer=tok)
+    prompts = [list(ids[:s]) for ids, s in zip(t.compositional_dataset("val")["input_ids"],
+                                               t.compositional_dataset("val")["output_start"], strict=True)]
+    plain, _ = t.greedy_outputs(model, prompts, 2)
+    stop = next(text[len(text) // 2:][:2] for text in plain if len(text) >= 4)  # a piece of some output
+    cut = make_task(tok, config(max_new_tokens=12, limit=4, stop_strings=[stop]))
+    texts, ended = cut.greedy_outputs(model, prompts, 2)
+    for full, text, done in zip(plain, texts, ended, strict=True):
+        if stop in full:
+            assert text == full[:full.index(stop)] and done
+        else:
+            assert text == full
+    assert any(stop in full for full in plain)
+    with pytest.raises(TaskError, match="task.stop_strings"):
+        replace(TextConfig(), stop_strings=[""])
+
+
 def test_config_rejects_bad_values():
     for kw, key in (({"holdout": 0}, "holdout"), ({"holdout": 2.5}, "holdout"), ({"limit": 0}, "limit"),
                     ({"max_new_tokens": 0}, "max_new_tokens")):

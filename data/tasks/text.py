@@ -82,6 +82,8 @@ class TextConfig:
             `notes`).
         max_new_tokens: greedy decoding budget at evaluation; a prediction that has not emitted EOS by then
             counts as wrong.
+        stop_strings: a prediction also ends before the first of these (e.g. `["\n"]` for a base model prompted
+            with a pattern of one-line outputs: it goes on with the pattern's next line instead of emitting EOS).
         limit: at most this many rows per split of each source (each expert, general, compositional).
         eval_limit: at most this many held-out rows per split (`val`, `test`) of each source; the training rows
             stay whole (a shorter evaluation of the same training run).
@@ -102,6 +104,7 @@ class TextConfig:
     chat_template: bool | None = None
     max_length: int = 1024
     max_new_tokens: int = 256
+    stop_strings: list[str] = field(default_factory=list)
     limit: int | None = None
     eval_limit: int | None = None
     trust_remote_code: bool = False
@@ -116,10 +119,12 @@ class TextConfig:
         for key in ("limit", "eval_limit"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise TaskError(f"task.{key} must be None or >= 1, got {getattr(self, key)}")
-        for key in ("general", "compositional"):
+        for key in ("general", "compositional", "stop_strings"):
             value = getattr(self, key)
             if isinstance(value, str):
                 setattr(self, key, [value])
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise TaskError(f"task.stop_strings must be non-empty strings, got {list(self.stop_strings)!r}")
 
 
 @dataclass(frozen=True)
@@ -614,7 +619,8 @@ class TextTask(Task):
     # --- evaluation --------------------------------------------------------------------------------
     def greedy_outputs(self, model, prompts: Sequence[Sequence[int]], batch_size: int) -> tuple[list[str], list[bool]]:
         """Greedy outputs of `model` (a `ComposedLM`) for prompt ids, up to EOS, and whether each ended."""
-        return greedy_decode(model, self._tokenizer, prompts, batch_size, self.cfg.max_new_tokens)
+        return greedy_decode(model, self._tokenizer, prompts, batch_size, self.cfg.max_new_tokens,
+                             stop_strings=self.cfg.stop_strings)
 
     def _decode_rows(self, model, input_ids: Sequence[Sequence[int]], output_start: Sequence[int],
                      batch_size: int) -> tuple[list[str], list[bool]]:
