@@ -42,12 +42,15 @@ def _means(sums: torch.Tensor, counts: torch.Tensor, regions: tuple[str, ...]) -
 
 
 @torch.no_grad()
-def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: bool = False) -> dict[str, dict]:
+def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: bool = False,
+                      misses: int = 0) -> dict[str, dict]:
     """`{expert: {own, other, none, own_n, other_n, none_n}}`: mean KL(p_b ‖ p_i) per region and its positions.
 
     `top1`: in the same teacher-forced pass, also `"top1_errors": {background, composition}` × `{inside, after,
     none}`: the fraction of target positions where the model's most likely token is not the reference's (`after`:
-    the first position after an interval closes), and the positions (`<region>_n`)."""
+    the first position after an interval closes), and the positions (`<region>_n`). `misses`: also
+    `"after_misses"`, the first `misses` positions right after a close where the composition's top token is not
+    the reference's: the row, the text before, both tokens, and each component's log-probs of both."""
     from compose import compose_logprobs
     from losses import IGNORE_INDEX, divergence
 
@@ -55,6 +58,7 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     sums = torch.zeros(k, len(REGIONS), dtype=torch.float64)
     counts = torch.zeros(k, len(REGIONS), dtype=torch.long)
     errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
+    missed: list[dict] = []
     top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
     rows = [dataset[i] for i in range(len(dataset))]
     for start in range(0, len(rows), batch_size):
@@ -80,13 +84,29 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                 wrong = lp.argmax(-1) != targets
                 for r, region in enumerate(regions):
                     errors[m, r] += int((wrong & region).sum())
+            for row, pos in ((soft.argmax(-1) != targets) & after).nonzero().tolist()[:misses - len(missed)]:
+                missed.append(_miss(composed, batch["input_ids"][row], targets[row], pos, soft[row, pos],
+                                    lp_b[row, pos], lp_e[:, row, pos], start + row))
             for r, region in enumerate(regions):
                 top1_counts[r] += int(region.sum())
     out: dict[str, dict] = {name: _means(sums[i], counts[i], REGIONS) for i, name in enumerate(composed.names)}
     if top1:
         out["top1_errors"] = {model: _means(errors[m].double(), top1_counts, TOP1_REGIONS)
                               for m, model in enumerate(("background", "composition"))}
+        if misses:
+            out["after_misses"] = missed
     return out
+
+
+def _miss(composed, ids, targets, pos: int, soft, lp_b, lp_e, row: int) -> dict:
+    """One position where the composition's top token misses the reference: the tokens and the log-probs."""
+    decode = composed.tokenizer.decode
+    ref, top = int(targets[pos]), int(soft.argmax())
+    both = lambda lp: [round(float(lp[ref]), 2), round(float(lp[top]), 2)]  # noqa: E731
+    return {"row": row, "before": decode(ids[max(0, pos - 8):pos + 1]), "reference": decode([ref]),
+            "composition_top": decode([top]), "logprobs [reference, top]": {
+                "background": both(lp_b), **{n: both(lp_e[i]) for i, n in enumerate(composed.names)},
+                "composition": both(soft)}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--perplexity", action="store_true",
                         help="also the general perplexity of the soft composition and of the background on the "
                              "held-out general test rows (a whole teacher-forced pass over them)")
+    parser.add_argument("--misses", type=int, default=0, metavar="N",
+                        help="with --top1: also list the first N positions right after a close where the soft "
+                             "composition's top token misses the reference, with every component's log-probs")
     parser.add_argument("--top1", action="store_true",
                         help="also how often the background's and the soft composition's top token misses the "
                              "reference, inside intervals, right after one closes, and elsewhere")
@@ -125,10 +148,13 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(scratch) / "export"
         assemble(combination, folder, background="ref")
         composed = load_composed(folder)
-        experts = region_divergence(composed, dataset, combination.task.collator(), top1=args.top1)
+        experts = region_divergence(composed, dataset, combination.task.collator(), top1=args.top1,
+                                    misses=args.misses if args.top1 else 0)
         result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset)}
         if args.top1:
             result["top1_errors"] = experts.pop("top1_errors")
+        if "after_misses" in experts:
+            result["after_misses"] = experts.pop("after_misses")
         result["experts"] = experts
         if args.perplexity:
             from compose import ComposedLM
@@ -143,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     for model, r in result.get("top1_errors", {}).items():
         print(f"{model}: top token misses the reference " + ", ".join(
             f"{region} {r[region]:.4f} (n={r[f'{region}_n']})" for region in TOP1_REGIONS))
+    for miss in result.get("after_misses", []):
+        print(f"row {miss['row']}: ...{miss['before']!r} then {miss['reference']!r}, composition "
+              f"{miss['composition_top']!r}; log-probs of both: {miss['logprobs [reference, top]']}")
     if "general_perplexity" in result:
         ppl = result["general_perplexity"]
         print(f"general perplexity: composition {ppl['composition']:.4f}, background {ppl['background']:.4f} "

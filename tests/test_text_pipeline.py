@@ -159,7 +159,7 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
     spec = importlib.util.spec_from_file_location("interval_divergence", ROOT / "scripts" / "interval_divergence.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1"])
+    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1", "--misses", "50"])
     assert set(result["experts"]) == {"calc", "upper"} and result["n_test"] == 2
     ppl = result["general_perplexity"]
     assert ppl["composition"] > 1.0 and ppl["background"] > 1.0 and ppl["composition"] != ppl["background"]
@@ -179,3 +179,12 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
         assert errors["inside_n"] == int(inside.sum()) and errors["after_n"] == ends > 0
         assert errors["inside_n"] + errors["after_n"] + errors["none_n"] == int(valid.sum())
         assert all(0.0 <= errors[r] <= 1.0 for r in ("inside", "after", "none"))
+    # --misses lists every such miss right after a close (fewer than 50 here): the tokens differ, and the
+    # composition's log-probs rank its top token first
+    after = result["top1_errors"]["composition"]
+    misses = result["after_misses"]
+    assert 0 < len(misses) == round(after["after"] * after["after_n"])
+    for miss in misses:
+        lp = miss["logprobs [reference, top]"]
+        assert miss["reference"] != miss["composition_top"] and lp["composition"][1] >= lp["composition"][0]
+        assert set(lp) == {"background", "calc", "upper", "composition"}
