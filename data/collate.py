@@ -92,12 +92,11 @@ class Collator:
         for key, value in rows[0].items():
             if key in batch or isinstance(value, str):
                 continue
-            if isinstance(value, Sequence | Tensor) and len(value) == lengths[0] and not (
-                    isinstance(value, Tensor) and value.dim() == 0):
-                batch[key] = self._pad_per_token(rows, key, lengths, width)
-                continue
             if isinstance(value, Tensor) and value.dim() == 0:
                 value = value.item()
+            if isinstance(value, Sequence | Tensor) and len(value) == lengths[0]:
+                batch[key] = self._pad_per_token(rows, key, lengths, width)
+                continue
             if not isinstance(value, int | float):
                 raise ValueError(f"column {key!r} is neither a sequence column nor a scalar: {value!r}")
             try:

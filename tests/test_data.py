@@ -288,6 +288,13 @@ def test_collator_columns_and_errors(tok):
     no_span = [{k: v for k, v in r.items() if k not in ("output_start", "output_len")} for r in rows]
     with pytest.raises(ValueError, match="needs the output_start and output_len columns"):
         Collator(tok.pad_token_id, [5, 6], 0.5)(no_span)
+    # a column with one value per token is padded with 0 to [B, T]; a 0-dim tensor is a scalar
+    per_token = [{**rows[0], "after_close": [0, 0, 1], "step": torch.tensor(3)},
+                 {**rows[1], "after_close": [1, 0], "step": torch.tensor(4)}]
+    batch = Collator(tok.pad_token_id)(per_token)
+    assert batch["after_close"].tolist() == [[0, 0, 1], [1, 0, 0]] and batch["step"].tolist() == [3, 4]
+    with pytest.raises(ValueError, match="row 1: column 'after_close' needs one value per token"):
+        Collator(tok.pad_token_id)([per_token[0], {**per_token[1], "after_close": [1]}])
 
 
 def test_corruption_changes_only_output_letters_at_the_rate(tok):
