@@ -10,6 +10,8 @@ from torch import Tensor
 
 from losses import IGNORE_INDEX
 
+# Columns with one integer per token besides input_ids/targets/masks (padded with 0 to [B, T]).
+PER_TOKEN_COLUMNS = ("after_close",)
 CorruptionRate = float | Sequence[float]  # a rate, or (low, high): a rate per row drawn uniformly in that range
 
 
@@ -27,9 +29,9 @@ class Collator:
     """Pad task rows (`data.tasks.base`) into a batch, optionally corrupting teacher-forced outputs.
 
     Output (`B` rows, `T` = longest row, right padding): `input_ids` `[B, T]` (pad id), `attention_mask`
-    `[B, T]`, `targets` `[B, T]` (`-100` on padding), `masks` bool `[B, k, T]` (False on padding), a column with
-    one integer per token (`after_close`) as `[B, T]` (0 on padding), and every other numeric column
-    (`expert_index`, `is_task`, `output_start`, ...) as a `[B]` tensor. String columns are dropped.
+    `[B, T]`, `targets` `[B, T]` (`-100` on padding), `masks` bool `[B, k, T]` (False on padding), each column
+    of `PER_TOKEN_COLUMNS` (one integer per token: `after_close`) as `[B, T]` (0 on padding), and every other
+    numeric column (`expert_index`, `is_task`, `output_start`, ...) as a `[B]` tensor. String columns are dropped.
 
     Prefix corruption: each token of a row's output span (`output_start .. output_start + output_len - 1`)
     is replaced with probability `corruption_prob` by a uniformly drawn *different* token of
@@ -92,11 +94,11 @@ class Collator:
         for key, value in rows[0].items():
             if key in batch or isinstance(value, str):
                 continue
-            if isinstance(value, Tensor) and value.dim() == 0:
-                value = value.item()
-            if isinstance(value, Sequence | Tensor) and len(value) == lengths[0]:
+            if key in PER_TOKEN_COLUMNS:
                 batch[key] = self._pad_per_token(rows, key, lengths, width)
                 continue
+            if isinstance(value, Tensor) and value.dim() == 0:
+                value = value.item()
             if not isinstance(value, int | float):
                 raise ValueError(f"column {key!r} is neither a sequence column nor a scalar: {value!r}")
             try:

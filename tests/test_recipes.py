@@ -136,6 +136,17 @@ def test_bad_after_close_weights_are_refused_naming_the_key():
         ExpertSettings(reg_after_close=2.0, regularizer="features")
 
 
+def test_after_close_weights_need_a_task_that_marks_the_closes(tmp_path):
+    """The letters task marks no closes: refused before anything is trained or written."""
+    from lightning_modules.pipeline.stages import plan_run
+
+    cfg = load_config([], ["expert.reg_after_close=4", f"output_dir={tmp_path / 'x'}"])
+    with pytest.raises(ConfigError, match="expert.reg_after_close=4.0 needs a task whose rows mark where intervals "
+                                          "close \(task.name=text\); task 'letters' does not"):
+        plan_run(cfg)
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_experts_rows_do_not_depend_on_the_other_experts(tok):
     """Never met: calc's rows are the same whatever the other expert is, or with no other expert at all."""
     def calc_rows(exps):

@@ -357,6 +357,7 @@ class TextTask(Task):
 
     config_class = TextConfig
     extra_reg_data = ("own+samples", "own+foreign")
+    marks_after_close = True
 
     def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
                  **kwargs: Any) -> None:

@@ -105,7 +105,8 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
         return ExpertSettings(
             mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha, target_modules=lora_target_modules(cfg),
             lora_layers=_plain(e.lora.layers),
-            reg_weight=e.reg_weight, reg_after_close=e.reg_after_close, divergence=e.divergence, jsd_beta=e.jsd_beta, temperature=e.temperature,
+            reg_weight=e.reg_weight, reg_after_close=e.reg_after_close, divergence=e.divergence,
+            jsd_beta=e.jsd_beta, temperature=e.temperature,
             task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
             warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps,
             active_threshold=cfg.composition.active_threshold,

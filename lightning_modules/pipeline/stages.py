@@ -257,6 +257,9 @@ def _check_task_fits(cfg: DictConfig, task: Task) -> None:
         if OmegaConf.select(cfg, key) == value and task.feature_map is None:
             raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
                               f"{task.name!r} has none")
+    if cfg.expert.reg_after_close != 1 and not task.marks_after_close:
+        raise ConfigError(f"expert.reg_after_close={cfg.expert.reg_after_close} needs a task whose rows mark where "
+                          f"intervals close (task.name=text); task {task.name!r} does not")
     longest, positions = task.max_row_length, cfg.model.max_position_embeddings
     if is_pretrained(cfg) or longest is None:
         return
