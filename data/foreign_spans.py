@@ -78,15 +78,15 @@ def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, 
 
 def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: random.Random,
                          n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None
-                         ) -> tuple[str, str, list[int]]:
-    """`(prompt, response, ends)` with up to `n_spans` random foreign spans inserted (fewer when the response has
-    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`. `ends`: for each
-    span, sorted, the index in the new response of the first character after its end delimiter (where the text
-    goes on once the foreign span has closed)."""
+                         ) -> tuple[str, str, list[tuple[int, int]]]:
+    """`(prompt, response, spans)` with up to `n_spans` random foreign spans inserted (fewer when the response has
+    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`. `spans`: for each
+    span, sorted, `(start, end)` in the new response: the index of its start delimiter's first character and of the
+    first character after its end delimiter (where the text goes on once the foreign span has closed)."""
     pairs = list(pool) if pool is not None else delimiter_pool(own)
     if not pairs:
         raise ValueError(f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
-    ends: list[int] = []
+    spans: list[tuple[int, int]] = []
     for _ in range(n_spans):
         spaces = _boundaries(response, own)
         if not spaces:
@@ -103,6 +103,6 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: ran
         if before and before in prompt:  # the echoed sentence in the prompt gets the span where it stands
             prompt = prompt.replace(before + " ", f"{before} {start}{content}{end} ")
         added = len(new_response) - len(response)
-        ends = sorted([e + added * (e > at) for e in ends] + [at + added])
+        spans = sorted([(a + added * (a > at), b + added * (b > at)) for a, b in spans] + [(at + 1, at + added)])
         response = new_response
-    return prompt, response, ends
+    return prompt, response, spans

@@ -88,6 +88,9 @@ class ExpertSettings:
         reg_after_close: how many times the regularizer counts the first position after an interval closes, the
             expert's own or a foreign span of its regularizer rows (the rows' `after_close` column, text task), 1
             counting it as any other: where experts drift alike, the rule adds their drifts.
+        reg_inside_foreign: how many times the regularizer counts a position inside a random foreign span of its
+            regularizer rows (`inside_foreign` column, text task; 1: as any other): there another expert is active
+            in a composition, and this expert's drift is multiplied into that expert's choice.
         divergence, jsd_beta, temperature: the divergence `D`, a name in `losses.DIVERGENCES`.
         task_loss_on_mask_only: score the task NLL on mask positions only.
         lr, weight_decay, warmup_ratio, max_steps: AdamW and its warm-up/cosine schedule.
@@ -115,6 +118,7 @@ class ExpertSettings:
     lora_layers: str | tuple[int, ...] | None = None
     reg_weight: float = 3.0
     reg_after_close: float = 1.0
+    reg_inside_foreign: float = 1.0
     divergence: str = "forward_kl"
     jsd_beta: float = 0.5
     temperature: float = 3.0
@@ -149,12 +153,14 @@ class ExpertSettings:
         """The settings that do not go together, each rule once."""
         chunk, cache, none = ("loss_chunk_size",), ("background_top_k",), (None, None)
         self._check_layers()
-        if self.reg_after_close < 0:
-            raise SettingsError("{after} must be >= 0 (1 weighs those positions as any other)",
-                                after=("reg_after_close", self.reg_after_close))
-        if self.reg_after_close != 1 and self.regularizer == "features":
-            raise SettingsError("{after} needs {token} (the feature regularizer weighs every position alike)",
-                                after=("reg_after_close", self.reg_after_close), token=("regularizer", "token"))
+        for key in ("reg_after_close", "reg_inside_foreign"):
+            weight = getattr(self, key)
+            if weight < 0:
+                raise SettingsError("{weight} must be >= 0 (1 weighs those positions as any other)",
+                                    weight=(key, weight))
+            if weight != 1 and self.regularizer == "features":
+                raise SettingsError("{weight} needs {token} (the feature regularizer weighs every position alike)",
+                                    weight=(key, weight), token=("regularizer", "token"))
         if self.position_jump and self.background_top_k is not None:
             raise SettingsError("{jump} cannot be used with {cache} (the cache holds one set of positions per row): "
                                 "set one of them to 0 / {none}", jump=("position_jump",), cache=cache, none=none)
@@ -541,15 +547,19 @@ class ExpertLM(pl.LightningModule):
         return self.background_cache.gather(keys, ids.device)
 
     def _position_weight(self, batch: dict[str, Tensor]) -> Tensor | None:
-        """The regularizer's weight per position: `reg_after_close` right after an interval closes, else 1 (None
-        when `reg_after_close` is 1)."""
-        weight = self.settings.reg_after_close
-        if weight == 1:
-            return None
-        if "after_close" not in batch:
-            raise ValueError("reg_after_close needs training rows that mark where intervals close (the text "
-                             "task's after_close column)")
-        return 1.0 + (weight - 1.0) * batch["after_close"].float()
+        """The regularizer's weight per position: `reg_after_close` right after an interval closes,
+        `reg_inside_foreign` inside a foreign span, else 1 (the two added where both hold); None when both are 1."""
+        weight = None
+        for key, column in (("reg_after_close", "after_close"), ("reg_inside_foreign", "inside_foreign")):
+            w = getattr(self.settings, key)
+            if w == 1:
+                continue
+            if column not in batch:
+                raise ValueError(f"{key} needs training rows that mark those positions (the text task's {column} "
+                                 "column)")
+            extra = (w - 1.0) * batch[column].float()
+            weight = 1.0 + extra if weight is None else weight + extra
+        return weight
 
     def regularizer_loss(self, logits: Tensor, bg: Tensor, targets: Tensor, own_mask: Tensor,
                          expert_index: Tensor, position_weight: Tensor | None = None) -> Tensor:

@@ -9,6 +9,11 @@ interval (`none`), with the position counts. An expert trained alone that is com
 as `none`: inside another expert's interval its factor p_i / p_b should be 1. The exports are combined as
 `python -m compose.combine` combines them (`compose.frontends.combine.check_exports`).
 
+Beside each KL, `ratio_<region>`: the mean log-ratio log p_i(y) − log p_b(y) at the reference token y. KL weighs
+each token by p_b, but inside another expert's interval the reference is often a token the background finds
+unlikely (a reversed word, a French one), so an expert can pull it down while its KL stays small; the product
+rule adds that pull of every other expert to the active one's log-prob.
+
 `--top1`: how often the background's and the soft composition's most likely next token is not the reference's,
 inside an interval, at the first position after one closes (`after`: the text right after `>>` or `]`), and
 elsewhere in no interval (`none`). Where the experts drift the same way just after their intervals close, the
@@ -44,7 +49,8 @@ def _means(sums: torch.Tensor, counts: torch.Tensor, regions: tuple[str, ...]) -
 @torch.no_grad()
 def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: bool = False,
                       misses: int = 0) -> dict[str, dict]:
-    """`{expert: {own, other, none, own_n, other_n, none_n}}`: mean KL(p_b ‖ p_i) per region and its positions.
+    """`{expert: {own, other, none, own_n, other_n, none_n, ratio_own, ratio_other, ratio_none}}`: mean
+    KL(p_b ‖ p_i) per region, its positions, and the mean log-ratio log p_i − log p_b at the reference token.
 
     `top1`: in the same teacher-forced pass, also `"top1_errors": {background, composition}` × `{inside, after,
     none}`: the fraction of target positions where the model's most likely token is not the reference's (`after`:
@@ -57,6 +63,7 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     k = len(composed.names)
     sums = torch.zeros(k, len(REGIONS), dtype=torch.float64)
     counts = torch.zeros(k, len(REGIONS), dtype=torch.long)
+    ratio_sums = torch.zeros(k, len(REGIONS), dtype=torch.float64)
     errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
     missed: list[dict] = []
     top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
@@ -68,11 +75,14 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
         targets = batch["targets"]
         valid = targets != IGNORE_INDEX
         masks = batch["masks"].bool().transpose(0, 1) & valid  # [k, B, T]
+        index = targets.clamp_min(0).unsqueeze(-1)  # [B, T, 1]
+        ref_ratio = (lp_e.gather(-1, index.expand(k, *index.shape)) - lp_b.gather(-1, index)).squeeze(-1).double()
         anywhere = masks.any(0)
         for i in range(k):
             other = anywhere & ~masks[i]
             for r, region in enumerate((masks[i], other, valid & ~anywhere)):
                 sums[i, r] += kl[i][region].sum()
+                ratio_sums[i, r] += ref_ratio[i][region].sum()
                 counts[i, r] += int(region.sum())
         if top1:
             soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
@@ -89,7 +99,12 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                                     lp_b[row, pos], lp_e[:, row, pos], start + row))
             for r, region in enumerate(regions):
                 top1_counts[r] += int(region.sum())
-    out: dict[str, dict] = {name: _means(sums[i], counts[i], REGIONS) for i, name in enumerate(composed.names)}
+    ratio_regions = tuple(f"ratio_{region}" for region in REGIONS)
+    out: dict[str, dict] = {
+        name: {**_means(sums[i], counts[i], REGIONS),
+               **{key: value for key, value in _means(ratio_sums[i], counts[i], ratio_regions).items()
+                  if not key.endswith("_n")}}
+        for i, name in enumerate(composed.names)}
     if top1:
         out["top1_errors"] = {model: _means(errors[m].double(), top1_counts, TOP1_REGIONS)
                               for m, model in enumerate(("background", "composition"))}
@@ -165,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "background": combination.task.general_perplexity(background, "test", 8)}
     for name, r in result["experts"].items():
         print(f"{name}: KL(p_b||p_i) own {r['own']:.4f} (n={r['own_n']}), inside another expert's interval "
-              f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']})")
+              f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']}); "
+              f"log p_i/p_b of the reference token: own {r['ratio_own']:+.3f}, another's {r['ratio_other']:+.3f}, "
+              f"none {r['ratio_none']:+.3f}")
     for model, r in result.get("top1_errors", {}).items():
         print(f"{model}: top token misses the reference " + ", ".join(
             f"{region} {r[region]:.4f} (n={r[f'{region}_n']})" for region in TOP1_REGIONS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,11 +46,15 @@ def test_spans_go_outside_the_own_intervals_and_into_the_echoed_prompt():
     response = "Tom sold <<47+8=55>> cups to Ben today."
     prompt = "Repeat: Tom sold <<47+8=>> cups to Ben today.\n"
     for _ in range(200):
-        p, r, ends = insert_foreign_spans(prompt, response, CALC_SPEC, rng, n_spans=2)
+        p, r, spans = insert_foreign_spans(prompt, response, CALC_SPEC, rng, n_spans=2)
         assert [r[a:b] for a, b in interval_char_spans(r, CALC_SPEC)] == ["47+8=55>>"]  # own span untouched
-        # each span's end: right after a pool end delimiter, where the original text goes on (at a space)
-        assert 1 <= len(ends) <= 2 and ends == sorted(ends)
+        # each span: from a pool start delimiter right after a space to right after a pool end delimiter, where
+        # the original text goes on (at a space)
+        ends = [b for _, b in spans]
+        assert 1 <= len(spans) <= 2 and spans == sorted(spans)
         assert all(r[e] == " " and any(r[:e].endswith(b) for _, b in DELIMITER_POOL) for e in ends)
+        assert all(r[a - 1] == " " and any(r[a:b].startswith(x) and r[a:b].endswith(y) for x, y in DELIMITER_POOL)
+                   for a, b in spans)
         assert r != response and "<" not in r.replace("<<47+8=55>>", "")  # no pair with the own characters
         assert len(r.split()) > len(response.split())
         if r.startswith("Tom ") and not r.startswith("Tom sold <<"):  # inserted right after "Tom"
@@ -101,18 +106,51 @@ def test_after_close_marks_the_first_token_after_each_own_and_foreign_span(tok):
                for r in own_rows)
 
 
-def test_a_training_step_weighs_the_positions_after_a_close(tok):
-    """The text task's rows through its collator into ExpertLM: `reg_after_close` raises the regularizer by the
-    marked positions' divergence, and 1 leaves it as it was."""
+def test_inside_foreign_marks_the_tokens_of_each_foreign_span(tok):
+    t = make_task(tok, reg_data="own+foreign")
+    rows = t.expert_dataset("train")
+    pool_chars = {c for pair in DELIMITER_POOL for c in "".join(pair)}
+    for row in rows:
+        inside, start = row["inside_foreign"], row["output_start"]
+        assert len(inside) == len(row["input_ids"]) and set(inside) <= {0, 1}
+        marked = [i for i, a in enumerate(inside) if a]
+        if row["is_task"] == 1:  # an own row holds no foreign span
+            assert not marked
+            continue
+        # a regularizer row holds one or two spans: marked positions predict response tokens off the own mask,
+        # and together they spell the spans' contents and end delimiters; the text between spans is not marked
+        assert marked and all(start - 1 <= i < start - 1 + row["output_len"] and not row["masks"][0][i]
+                              for i in marked)
+        text = tok.decode([row["input_ids"][i + 1] for i in marked])
+        assert any(b in text for _, b in DELIMITER_POOL), text
+        assert len(text) < len(row["y"]) and set(text) & pool_chars
+
+
+def test_position_weights_of_both_kinds_add():
+    from lightning_modules.expert import ExpertLM, ExpertSettings
+
+    batch = {"after_close": torch.tensor([[1, 0, 0, 1]]), "inside_foreign": torch.tensor([[0, 1, 0, 1]])}
+    weight = ExpertLM._position_weight
+    both = SimpleNamespace(settings=ExpertSettings(reg_after_close=3.0, reg_inside_foreign=5.0))
+    assert weight(both, batch).tolist() == [[3.0, 5.0, 1.0, 7.0]]
+    assert weight(SimpleNamespace(settings=ExpertSettings()), batch) is None
+    with pytest.raises(ValueError, match="reg_inside_foreign needs training rows that mark those positions"):
+        weight(SimpleNamespace(settings=ExpertSettings(reg_inside_foreign=2.0)), {"after_close": batch["after_close"]})
+
+
+@pytest.mark.parametrize("key,column", [("reg_after_close", "after_close"), ("reg_inside_foreign", "inside_foreign")])
+def test_a_training_step_weighs_the_marked_positions(tok, key, column):
+    """The text task's rows through its collator into ExpertLM: `reg_after_close` (`reg_inside_foreign`) raises
+    the regularizer by the marked positions' divergence, and 1 leaves it as it was."""
     from lightning_modules.expert import ExpertLM, ExpertSettings
 
     t = make_task(tok, reg_data="own+foreign")
     rows = [r for r in t.expert_dataset("train") if r["is_task"] == 0][:8]
     batch = t.collator()(rows)
-    assert batch["after_close"].shape == batch["targets"].shape and batch["after_close"].sum() >= 8
+    assert batch[column].shape == batch["targets"].shape and batch[column].sum() >= 8
 
     def reg(weight: float) -> float:
-        m = ExpertLM(tiny_llama(len(tok), 0), ["calc", "upper"], ExpertSettings(lora_r=2, reg_after_close=weight))
+        m = ExpertLM(tiny_llama(len(tok), 0), ["calc", "upper"], ExpertSettings(lora_r=2, **{key: weight}))
         with torch.no_grad():
             for name, p in m.named_parameters():
                 if "lora_B" in name:
@@ -126,23 +164,28 @@ def test_a_training_step_weighs_the_positions_after_a_close(tok):
     assert plain > 0 and weighted > plain * 1.05
 
 
-def test_bad_after_close_weights_are_refused_naming_the_key():
+@pytest.mark.parametrize("key", ["reg_after_close", "reg_inside_foreign"])
+def test_bad_position_weights_are_refused_naming_the_key(key):
     from lightning_modules.expert import ExpertSettings
 
-    assert load_config([], ["expert.reg_after_close=8"]).expert.reg_after_close == 8
-    with pytest.raises(ConfigError, match=r"expert.reg_after_close=-1.0: must be a finite number >= 0"):
-        load_config([], ["expert.reg_after_close=-1"])
-    with pytest.raises(ValueError, match="reg_after_close=2.0 needs regularizer='token'"):
-        ExpertSettings(reg_after_close=2.0, regularizer="features")
+    assert load_config([], [f"expert.{key}=8"]).expert[key] == 8
+    with pytest.raises(ConfigError, match=rf"expert.{key}=-1.0: must be a finite number >= 0"):
+        load_config([], [f"expert.{key}=-1"])
+    with pytest.raises(ValueError, match=f"{key}=2.0 needs regularizer='token'"):
+        ExpertSettings(**{key: 2.0}, regularizer="features")
+    with pytest.raises(ValueError, match=f"{key}=-1.0 must be >= 0"):
+        ExpertSettings(**{key: -1.0})
 
 
-def test_after_close_weights_need_a_task_that_marks_the_closes(tmp_path):
-    """The letters task marks no closes: refused before anything is trained or written."""
+@pytest.mark.parametrize("key,marks", [("reg_after_close", "where intervals close"),
+                                       ("reg_inside_foreign", "foreign spans")])
+def test_span_weights_need_a_task_that_marks_the_spans(tmp_path, key, marks):
+    """The letters task marks no spans: refused before anything is trained or written."""
     from lightning_modules.pipeline.stages import plan_run
 
-    cfg = load_config([], ["expert.reg_after_close=4", f"output_dir={tmp_path / 'x'}"])
-    with pytest.raises(ConfigError, match="expert.reg_after_close=4.0 needs a task whose rows mark where intervals "
-                                          "close \(task.name=text\); task 'letters' does not"):
+    cfg = load_config([], [f"expert.{key}=4", f"output_dir={tmp_path / 'x'}"])
+    with pytest.raises(ConfigError, match=f"expert.{key}=4.0 needs a task whose rows mark {marks} "
+                                          "\\(task.name=text\\); task 'letters' does not"):
         plan_run(cfg)
     assert not (tmp_path / "x").exists()
 
@@ -263,3 +306,11 @@ def test_region_divergence_splits_positions_by_whose_interval_they_lie_in(tok):
         assert r["own_n"] == sum(sum(m[j]) for m in rows["masks"]) > 0 and r["other_n"] > 0
     assert result["calc"]["other"] == pytest.approx(0.0, abs=1e-6)  # the background's copy: 0 everywhere
     assert min(result["upper"][k] for k in ("own", "other", "none")) > 1e-4
+    assert all(result["calc"][f"ratio_{k}"] == pytest.approx(0.0, abs=1e-6) for k in ("own", "other", "none"))
+    # the reference token's log-ratio inside calc's interval, computed here directly for upper
+    batch = t.collator()([rows[i] for i in range(len(rows))])
+    lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
+    targets, calc_mask = batch["targets"], batch["masks"][:, 0].bool() & (batch["targets"] != -100)
+    ratio = lp_e[1].gather(-1, targets.clamp_min(0)[..., None]) - lp_b.gather(-1, targets.clamp_min(0)[..., None])
+    inside_calc = ratio.squeeze(-1)[calc_mask & ~batch["masks"][:, 1].bool()]
+    assert result["upper"]["ratio_other"] == pytest.approx(float(inside_calc.double().mean()), abs=1e-5)

@@ -129,13 +129,13 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt/response pair read from a file; `where` names it in errors ("FILE row N"). `foreign_ends`: in a
-    row given random foreign spans, the response index right after each span's end delimiter."""
+    """One prompt/response pair read from a file; `where` names it in errors ("FILE row N"). `foreign_spans`: in
+    a row given random foreign spans, each span's `(start, end)` in the response, delimiters included."""
 
     prompt: str
     response: str
     where: str
-    foreign_ends: tuple[int, ...] = ()
+    foreign_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -268,21 +268,33 @@ def response_mask(enc: Encoded, spec: IntervalSpec) -> list[int]:
     return [0] * (p - 1) + inside + [0, 0]
 
 
-AFTER_CLOSE_FEATURE = {"after_close": datasets.List(datasets.Value("int8"))}  # expert rows: `after_close_positions`
+SPAN_POSITION_FEATURES = {  # expert rows: `after_close_positions`, `inside_foreign_positions`
+    "after_close": datasets.List(datasets.Value("int8")), "inside_foreign": datasets.List(datasets.Value("int8"))}
 
 
 def after_close_positions(enc: Encoded, spec: IntervalSpec) -> list[int]:
     """1 at the target position predicting the first token after each interval of `spec` closes, and after each
-    foreign span of the row (`Example.foreign_ends`): where the text goes on once a span is done (the EOS target
+    foreign span of the row (`Example.foreign_spans`): where the text goes on once a span is done (the EOS target
     when the span ends the response). Over the `targets` positions, as `response_mask`. The regularizer can weigh
     these positions more (`expert.reg_after_close`): there two experts that each drift a little drift alike."""
-    ends = {b for _, b in interval_char_spans(enc.example.response, spec)} | set(enc.example.foreign_ends)
+    ends = {b for _, b in interval_char_spans(enc.example.response, spec)} | {b for _, b in enc.example.foreign_spans}
     p, starts = len(enc.prompt_ids), [s for s, _ in enc.offsets]
     after = [0] * (p - 1) + [0] * len(starts) + [0, 0]
     for end in ends:  # the first token that begins at or after the end (a token straddling it is inside)
         j = next((j for j, s in enumerate(starts) if s >= end and not enc.special[j]), len(starts))
         after[p - 1 + j] = 1
     return after
+
+
+def inside_foreign_positions(enc: Encoded) -> list[int]:
+    """1 at each target position predicting a token that begins inside a random foreign span of the row
+    (`Example.foreign_spans`; a token holding the space before the span and its start delimiter begins outside, as
+    an interval's mask starts after its opening), over the `targets` positions as `response_mask`. There a
+    composition has another expert active, and whatever this expert changes is multiplied into that expert's
+    choice (`expert.reg_inside_foreign` weighs these positions more)."""
+    spans = enc.example.foreign_spans
+    inside = [int(not enc.special[j] and any(a <= s < b for a, b in spans)) for j, (s, _) in enumerate(enc.offsets)]
+    return [0] * (len(enc.prompt_ids) - 1) + inside + [0, 0]
 
 
 def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: Any) -> dict[str, Any]:
@@ -302,7 +314,7 @@ def make_row(enc: Encoded, specs: Sequence[IntervalSpec], eos: int, **extra: Any
 
 def rows_to_dataset(rows: Sequence[dict[str, Any]], expert_columns: bool = False) -> datasets.Dataset:
     """Rows as a `datasets.Dataset` with fixed column types (also when there are none)."""
-    features = datasets.Features({**ROW_FEATURES, **(EXPERT_FEATURES | AFTER_CLOSE_FEATURE if expert_columns else {})})
+    features = datasets.Features({**ROW_FEATURES, **(EXPERT_FEATURES | SPAN_POSITION_FEATURES if expert_columns else {})})
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in features}, features=features)
 
 
@@ -357,7 +369,7 @@ class TextTask(Task):
 
     config_class = TextConfig
     extra_reg_data = ("own+samples", "own+foreign")
-    marks_after_close = True
+    marks_span_positions = True
 
     def __init__(self, cfg: TextConfig, experts: Sequence[Expert], *, tokenizer: PreTrainedTokenizerBase | None = None,
                  **kwargs: Any) -> None:
@@ -560,7 +572,7 @@ class TextTask(Task):
     def _expert_row(self, enc: Encoded, is_task: int, task_on_mask: int, *, spec: IntervalSpec,
                     expert_index: int) -> dict[str, Any]:
         return make_row(enc, [spec], self.eos, expert_index=expert_index, is_task=is_task, task_on_mask=task_on_mask,
-                        after_close=after_close_positions(enc, spec))
+                        after_close=after_close_positions(enc, spec), inside_foreign=inside_foreign_positions(enc))
 
     def _regularizer_examples(self, name: str, n: int, pool: Sequence[Encoded]) -> list[Encoded]:
         if not pool:
@@ -599,9 +611,9 @@ class TextTask(Task):
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
         examples = []
         for enc, _ in sources:
-            prompt, response, ends = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
-                                                          n_spans=rng.randint(1, 2))
-            examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(ends)))
+            prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
+                                                           n_spans=rng.randint(1, 2))
+            examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         encoded = encode_examples(self._tokenizer, examples)
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
                 if len(enc) <= self.cfg.max_length]

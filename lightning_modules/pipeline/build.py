@@ -25,6 +25,7 @@ SETTING_KEYS = {
     "mode": "expert.mode", "lora_r": "expert.lora.r", "lora_alpha": "expert.lora.alpha",
     "target_modules": "expert.lora.target_modules", "lora_layers": "expert.lora.layers",
     "reg_weight": "expert.reg_weight", "reg_after_close": "expert.reg_after_close",
+    "reg_inside_foreign": "expert.reg_inside_foreign",
     "divergence": "expert.divergence", "jsd_beta": "expert.jsd_beta", "temperature": "expert.temperature",
     "task_loss_on_mask_only": "expert.task_loss_on_mask_only", "lr": "expert.optim.lr",
     "weight_decay": "expert.optim.weight_decay", "warmup_ratio": "expert.optim.warmup_ratio",
@@ -105,7 +106,8 @@ def expert_settings(cfg: DictConfig) -> ExpertSettings:
         return ExpertSettings(
             mode=e.mode, lora_r=e.lora.r, lora_alpha=e.lora.alpha, target_modules=lora_target_modules(cfg),
             lora_layers=_plain(e.lora.layers),
-            reg_weight=e.reg_weight, reg_after_close=e.reg_after_close, divergence=e.divergence,
+            reg_weight=e.reg_weight, reg_after_close=e.reg_after_close, reg_inside_foreign=e.reg_inside_foreign,
+            divergence=e.divergence,
             jsd_beta=e.jsd_beta, temperature=e.temperature,
             task_loss_on_mask_only=e.task_loss_on_mask_only, lr=e.optim.lr, weight_decay=e.optim.weight_decay,
             warmup_ratio=e.optim.warmup_ratio, max_steps=e.max_steps,

@@ -257,9 +257,10 @@ def _check_task_fits(cfg: DictConfig, task: Task) -> None:
         if OmegaConf.select(cfg, key) == value and task.feature_map is None:
             raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
                               f"{task.name!r} has none")
-    if cfg.expert.reg_after_close != 1 and not task.marks_after_close:
-        raise ConfigError(f"expert.reg_after_close={cfg.expert.reg_after_close} needs a task whose rows mark where "
-                          f"intervals close (task.name=text); task {task.name!r} does not")
+    for key, marks in (("reg_after_close", "where intervals close"), ("reg_inside_foreign", "foreign spans")):
+        if cfg.expert[key] != 1 and not task.marks_span_positions:
+            raise ConfigError(f"expert.{key}={cfg.expert[key]} needs a task whose rows mark {marks} "
+                              f"(task.name=text); task {task.name!r} does not")
     longest, positions = task.max_row_length, cfg.model.max_position_embeddings
     if is_pretrained(cfg) or longest is None:
         return
@@ -458,9 +459,10 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     cfg = with_logging_interval(cfg, dm, e.max_steps)
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
-    after_close = f", ×{e.reg_after_close} after a close" if e.reg_after_close != 1 else ""
+    weights = (f", ×{e.reg_after_close} after a close" if e.reg_after_close != 1 else "") + (
+        f", ×{e.reg_inside_foreign} inside foreign spans" if e.reg_inside_foreign != 1 else "")
     print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}"
-          f"{after_close}), reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
+          f"{weights}), reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
     callbacks = [
         CompositionEvaluation(plan.task, batch_size=c.eval_batch_size, limit=c.val_limit,
                               active_threshold=c.active_threshold),
