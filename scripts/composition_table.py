@@ -81,8 +81,11 @@ def targets(soft: dict, compared: dict, skills: list[str], skill_bound: float, p
         mine = soft.get(f"{s}/skill_accuracy")
         if alone and mine is not None:
             ratio = mine / alone
+            missing = [e.get(f"{s}/intervals_missing") for e in (soft, compared[f"alone/{s}"])]
             out.append(f"- `{s}`: soft {mine:.3f} / alone {alone:.3f} = {ratio:.3f} "
-                       f"({'meets' if ratio >= skill_bound else 'misses'} ≥ {skill_bound})")
+                       f"({'meets' if ratio >= skill_bound else 'misses'} ≥ {skill_bound})"
+                       + ("" if None in missing else  # how many of its intervals were not written at all
+                          f"; not written: soft {missing[0]:.1%}, alone {missing[1]:.1%}"))
     lo, hi = ci(soft)
     for m in MERGE_METHODS:
         if m in compared:

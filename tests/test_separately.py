@@ -114,3 +114,13 @@ def test_a_pretrained_background_is_every_runs_own(tmp_path, monkeypatch):
     assert given == {"A_to_B": None, "C_to_D": None, "E_to_F": None}
     module.main([FAST, "--out", str(tmp_path / "sep2"), experts])
     assert given["C_to_D"] == tmp_path / "sep2" / "runs" / "A_to_B" / "background"
+
+
+def test_composition_table_says_how_many_intervals_were_not_written():
+    targets = _script("composition_table").targets
+    soft = {"exact_match": 0.5, "exact_match_n": 20, "upper/skill_accuracy": 0.4, "upper/intervals_missing": 0.25}
+    alone = {"upper/skill_accuracy": 0.8, "upper/intervals_missing": 0.05}
+    lines = targets(soft, {"alone/upper": alone}, ["upper"], 0.95, 1.02)
+    assert lines == ["- `upper`: soft 0.400 / alone 0.800 = 0.500 (misses ≥ 0.95); not written: soft 25.0%, alone 5.0%"]
+    del alone["upper/intervals_missing"]  # metrics from before the count existed: the ratio alone
+    assert targets(soft, {"alone/upper": alone}, ["upper"], 0.95, 1.02)[0].endswith("(misses ≥ 0.95)")

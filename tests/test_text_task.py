@@ -30,6 +30,7 @@ from data.tasks.text import (
     interval_texts,
     normalize_whitespace,
     read_examples,
+    missing_intervals,
     skill_counts,
 )
 from lightning_modules.pipeline.report import with_intervals
@@ -397,6 +398,8 @@ def test_helpers():
     assert skill_counts(["I say [B] and [A]."], [ref], spec) == (0, 2)  # matched by order of occurrence
     assert skill_counts(["x [A] y"], [ref], spec) == (1, 2)
     assert skill_counts(["[A  ] [B]"], ["[A ] [B]"], spec) == (2, 2)  # whitespace-normalized
+    # written wrong is not missing; fewer intervals than the reference are (never negative for more)
+    assert missing_intervals(["I say [B] and [A].", "x [A] y", "no brackets", "[A] [B] [C]"], [ref] * 4, spec) == 3
     ids, attn = left_padded([[5, 6], [7]], pad_id=0)
     assert ids.tolist() == [[5, 6], [0, 7]] and attn.tolist() == [[1, 1], [0, 1]]
 
@@ -435,7 +438,7 @@ def test_perfect_model_scores_one(tok, task):
     result = task.evaluate_composition(oracle, task.compositional_dataset("test"), 5)
     counts = {k: v for k, v in result.items() if k.endswith("_n")}
     assert result == {"exact_match": 1.0, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
-                      "failures/no_eos": 0.0, **counts}
+                      "calc/intervals_missing": 0.0, "upper/intervals_missing": 0.0, "failures/no_eos": 0.0, **counts}
     assert counts["exact_match_n"] == 12 and counts["calc/skill_accuracy_n"] >= 1
 
 
@@ -443,7 +446,10 @@ def test_one_wrong_skill_is_named(tok, task):
     lower = Oracle(tok, task, edit=lambda y: re.sub(r"\[(\w+)\]", lambda m: f"[{m[1].lower()}]", y))
     result = task.evaluate_composition(lower, task.compositional_dataset("val"), 4)
     assert result["exact_match"] == 0.0 and result["calc/skill_accuracy"] == 1.0
-    assert result["upper/skill_accuracy"] == 0.0
+    assert result["upper/skill_accuracy"] == 0.0 and result["upper/intervals_missing"] == 0.0  # written, wrong
+    dropped = Oracle(tok, task, edit=lambda y: re.sub(r"\[(\w+)\]", lambda m: m[1], y))
+    result = task.evaluate_composition(dropped, task.compositional_dataset("val"), 4)
+    assert result["upper/intervals_missing"] == 1.0 and result["calc/intervals_missing"] == 0.0
 
 
 def tiny_llama(vocab: int, seed: int) -> LlamaForCausalLM:
@@ -562,7 +568,8 @@ def test_cross_eval_scores_every_model_on_every_skill(tok):
     assert {k: v for k, v in result.items() if not k.endswith("_n")} == {
         "exact_match": 1.0, "n_test": 4, "calc/skill_accuracy": 1.0, "upper/skill_accuracy": 1.0,
         "compositional/exact_match": 1.0, "compositional/calc/skill_accuracy": 1.0,
-        "compositional/upper/skill_accuracy": 1.0, "compositional/failures/no_eos": 0.0}
+        "compositional/upper/skill_accuracy": 1.0, "compositional/calc/intervals_missing": 0.0,
+        "compositional/upper/intervals_missing": 0.0, "compositional/failures/no_eos": 0.0}
     assert result["compositional/exact_match_n"] == 12 and result["calc/skill_accuracy_n"] >= 4
     lower = Oracle(tok, t, edit=lambda y: re.sub(r"\[(\w+)\]", lambda m: f"[{m[1].lower()}]", y))
     result = t.evaluate_expert(lower, "calc", "test", 3)

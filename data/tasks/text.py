@@ -348,6 +348,13 @@ def skill_counts(preds: Sequence[str], refs: Sequence[str], spec: IntervalSpec) 
     return correct, total
 
 
+def missing_intervals(preds: Sequence[str], refs: Sequence[str], spec: IntervalSpec) -> int:
+    """How many reference intervals of `spec` have no counterpart at all in the prediction (its i-th interval
+    is missing: the prediction wrote fewer of them), as against written with the wrong text."""
+    return sum(max(0, len(interval_texts(ref, spec)) - len(interval_texts(pred, spec)))
+               for pred, ref in zip(preds, refs, strict=True))
+
+
 # --- the task --------------------------------------------------------------------------------------
 @register_task("text")
 class TextTask(Task):
@@ -688,7 +695,8 @@ class TextTask(Task):
 
     def evaluate_composition(self, model, dataset: datasets.Dataset, batch_size: int) -> dict[str, float]:
         """Exact match, `<expert>/skill_accuracy` per expert with an interval in the references (the i-th
-        interval of the reference against the i-th of the prediction), and `failures/no_eos`. When `model`
+        interval of the reference against the i-th of the prediction), `<expert>/intervals_missing` (the share of
+        them the prediction does not write at all, `missing_intervals`), and `failures/no_eos`. When `model`
         scores (a `ComposedLM`, soft or gated), also `off_interval_kl` on `dataset` and `general_perplexity` on
         the held-out general rows of the split `dataset` comes from (see `off_interval_kl`,
         `general_perplexity`)."""
@@ -704,6 +712,7 @@ class TextTask(Task):
             if total:
                 results[f"{name}/skill_accuracy"] = correct / total
                 results[f"{name}/skill_accuracy_n"] = total
+                results[f"{name}/intervals_missing"] = missing_intervals(preds, refs, spec) / total
         results["failures/no_eos"] = 1.0 - sum(ended) / len(ended) if ended else 0.0
         if _scores(model):
             results["off_interval_kl"] = self.off_interval_kl(model, dataset, batch_size)

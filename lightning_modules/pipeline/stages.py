@@ -529,8 +529,9 @@ def composition_stage(cfg: DictConfig, plan: Plan, background_path: Path, module
         entry = summary["experts"].setdefault(name, {"trained_in": "compose_with"})
         for key in PER_EXPERT_KEYS:
             entry[key] = results.pop(f"{name}/{key}")
-        if f"{name}/skill_accuracy_n" in results:  # the count its interval (report.with_intervals) comes from
-            entry["skill_accuracy_n"] = results.pop(f"{name}/skill_accuracy_n")
+        for key in ("skill_accuracy_n", "intervals_missing"):  # _n: the count its interval (report) comes from
+            if f"{name}/{key}" in results:
+                entry[key] = results.pop(f"{name}/{key}")
     features = {k.split("/", 1)[1]: results.pop(k) for k in list(results) if k.startswith("features/")}
     summary["composition"] = {
         "exact_match": results.pop("exact_match"),
