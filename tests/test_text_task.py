@@ -28,9 +28,9 @@ from data.tasks.text import (
     TextTask,
     exact_match,
     interval_texts,
+    missing_intervals,
     normalize_whitespace,
     read_examples,
-    missing_intervals,
     skill_counts,
 )
 from lightning_modules.pipeline.report import with_intervals
