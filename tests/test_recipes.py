@@ -314,3 +314,18 @@ def test_region_divergence_splits_positions_by_whose_interval_they_lie_in(tok):
     ratio = lp_e[1].gather(-1, targets.clamp_min(0)[..., None]) - lp_b.gather(-1, targets.clamp_min(0)[..., None])
     inside_calc = ratio.squeeze(-1)[calc_mask & ~batch["masks"][:, 1].bool()]
     assert result["upper"]["ratio_other"] == pytest.approx(float(inside_calc.double().mean()), abs=1e-5)
+
+
+def test_foreign_spans_sets_how_many_spans_a_row_gets(tok):
+    def counts(spans):
+        t = make_task(tok, config(foreign_spans=spans), reg_data="own+foreign")
+        rows = [r for r in t.expert_dataset("train") if r["is_task"] == 0]
+        marks = [r["inside_foreign"] for r in rows]  # one run of marked positions per span
+        return [sum(1 for a, b in zip([0, *m[:-1]], m, strict=True) if b and not a) for m in marks]
+
+    default, three = counts([1, 2]), counts([3, 3])
+    assert set(default) <= {1, 2} and 2 in default
+    assert max(three) == 3 and sum(three) > sum(default)  # fewer only where a row has fewer word boundaries
+    for bad in ([0, 2], [3, 2], [2], [1.5, 2]):
+        with pytest.raises(TaskError, match="task.foreign_spans"):
+            config(foreign_spans=bad)

@@ -88,6 +88,9 @@ class TextConfig:
         eval_limit: at most this many held-out rows per split (`val`, `test`) of each source; the training rows
             stay whole (a shorter evaluation of the same training run).
         trust_remote_code: passed to `AutoTokenizer.from_pretrained` (`data.tokenizer.load_tokenizer_folder`).
+        foreign_spans: `[min, max]`: each `own+foreign` regularizer row gets a number of random foreign spans
+            drawn uniformly from this range (fewer where the response has fewer word boundaries). Raise `max`
+            towards the number of other skills a composed row holds, so the expert meets as many spans as there.
         cross_eval: also decode the background and each expert alone on the compositional rows of the split
             (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
             and the background on every expert's held-out rows (`<expert>/skill_accuracy`): every model's
@@ -108,6 +111,7 @@ class TextConfig:
     limit: int | None = None
     eval_limit: int | None = None
     trust_remote_code: bool = False
+    foreign_spans: list[int] = field(default_factory=lambda: [1, 2])
     cross_eval: bool = False
 
     def __post_init__(self) -> None:
@@ -125,6 +129,11 @@ class TextConfig:
                 setattr(self, key, [value])
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TaskError(f"task.stop_strings must be non-empty strings, got {list(self.stop_strings)!r}")
+        spans = list(self.foreign_spans)
+        if len(spans) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in spans) \
+                or not 1 <= spans[0] <= spans[1]:
+            raise TaskError(f"task.foreign_spans must be [min, max] whole counts with 1 <= min <= max, got {spans!r}")
+        self.foreign_spans = spans
 
 
 @dataclass(frozen=True)
@@ -369,7 +378,8 @@ class TextTask(Task):
     general training prompts with the background's own sampled continuations as responses (drawn and cached by
     the pipeline, `set_background_samples`; samples holding the expert's own delimiters are left out);
     `own+foreign`: general and own training rows in turn, each with one or two random foreign spans
-    (`data.foreign_spans`; own rows keep `task_on_mask=1`, so the skill is learnt beside a foreign span too).
+    (`task.foreign_spans`, `data.foreign_spans`; own rows keep `task_on_mask=1`, so the skill is learnt beside a
+    foreign span too).
     None of them holds anything of another expert: an expert trained alone on them has never met the others.
     `reg_data=composition` needs co-training on composed rows, which this task does not make.
     """
@@ -619,7 +629,7 @@ class TextTask(Task):
         examples = []
         for enc, _ in sources:
             prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
-                                                           n_spans=rng.randint(1, 2))
+                                                           n_spans=rng.randint(*self.cfg.foreign_spans))
             examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         encoded = encode_examples(self._tokenizer, examples)
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
