@@ -337,3 +337,21 @@ def test_subset_bounds_divides_each_skill_by_the_expert_alone(monkeypatch):
     assert got[("y", "z")] == (pytest.approx(0.6), False)
     assert got[("x", "y", "z")] == (pytest.approx(0.85), False)
     assert results["subsets"][0]["skills"]["y"] == {"accuracy": 0.5, "n": 40, "ratio": 1.0, "meets": True}
+
+
+def test_foreign_spans_may_differ_between_text_exports(tmp_path):
+    """How many random foreign spans a regularizer row held shapes training only (either order of exports)."""
+    from types import SimpleNamespace
+
+    from compose.frontends.combine import _common_settings
+
+    base = {"name": "text", "general": ["g.jsonl"], "max_length": 64}
+    old = SimpleNamespace(root=tmp_path / "old", settings=dict(base))  # written before the setting existed
+    new = SimpleNamespace(root=tmp_path / "new", settings={**base, "foreign_spans": [1, 3]})
+    for sources in ([new, old], [old, new]):
+        settings, notes = _common_settings(sources)
+        assert settings == sources[0].settings
+    assert any("task.foreign_spans differs" in note for note in _common_settings([new, old])[1])
+    other = SimpleNamespace(root=tmp_path / "other", settings={**base, "foreign_spans": [1, 3], "max_length": 32})
+    with pytest.raises(CombineError, match="task.max_length"):
+        _common_settings([new, other])
