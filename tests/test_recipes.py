@@ -326,6 +326,6 @@ def test_foreign_spans_sets_how_many_spans_a_row_gets(tok):
     default, three = counts([1, 2]), counts([3, 3])
     assert set(default) <= {1, 2} and 2 in default
     assert max(three) == 3 and sum(three) > sum(default)  # fewer only where a row has fewer word boundaries
-    for bad in ([0, 2], [3, 2], [2], [1.5, 2]):
+    for bad in ([0, 2], [3, 2], [2], [1.5, 2], 3, "1,3"):
         with pytest.raises(TaskError, match="task.foreign_spans"):
             config(foreign_spans=bad)

@@ -129,7 +129,8 @@ class TextConfig:
                 setattr(self, key, [value])
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TaskError(f"task.stop_strings must be non-empty strings, got {list(self.stop_strings)!r}")
-        spans = list(self.foreign_spans)
+        given = self.foreign_spans
+        spans = list(given) if isinstance(given, Sequence) and not isinstance(given, str) else [given]
         if len(spans) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in spans) \
                 or not 1 <= spans[0] <= spans[1]:
             raise TaskError(f"task.foreign_spans must be [min, max] whole counts with 1 <= min <= max, got {spans!r}")
@@ -377,9 +378,9 @@ class TextTask(Task):
     `background`/`own+background`: general training rows (`is_task=0`, `task_on_mask=0`); `own+samples`: the
     general training prompts with the background's own sampled continuations as responses (drawn and cached by
     the pipeline, `set_background_samples`; samples holding the expert's own delimiters are left out);
-    `own+foreign`: general and own training rows in turn, each with one or two random foreign spans
-    (`task.foreign_spans`, `data.foreign_spans`; own rows keep `task_on_mask=1`, so the skill is learnt beside a
-    foreign span too).
+    `own+foreign`: general and own training rows in turn, each with random foreign spans (one or two unless
+    `task.foreign_spans` says otherwise; `data.foreign_spans`; own rows keep `task_on_mask=1`, so the skill is
+    learnt beside a foreign span too).
     None of them holds anything of another expert: an expert trained alone on them has never met the others.
     `reg_data=composition` needs co-training on composed rows, which this task does not make.
     """
