@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
@@ -21,6 +22,13 @@ IGNORE_INDEX = -100
 
 LOG_RATIO_FLOOR = -1e4
 """Floor on log-probs in the ``log_ratio`` penalty, the same as ``compose_logprobs``'s ``min_logprob``."""
+
+PLAUSIBLE_K = 16
+"""``plausible_log_ratio``: at most this many of each side's most likely tokens are compared."""
+
+PLAUSIBLE_MARGIN = 10.0
+"""``plausible_log_ratio``: a token is plausible for a side when its log-prob is within this many nats of that
+side's most likely token (about what the shifts of a few experts can add up to in a composition)."""
 
 LogprobDivergence = Callable[..., Tensor]
 """``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
@@ -112,6 +120,10 @@ def divergence(
       tail log-ratios that add up inside a composition (docs/method.md, prefixes the composition writes). It is invariant to adding a
       per-position constant to either side's logits. Log-probs are floored at ``LOG_RATIO_FLOOR``
       (as ``compose_logprobs`` does), so a zero-probability token gives a finite value.
+    - ``"plausible_log_ratio"``: the same variance over the plausible tokens only: those among either side's
+      ``PLAUSIBLE_K`` most likely within ``PLAUSIBLE_MARGIN`` nats of its top. These are the tokens a composition
+      can pick once the other experts' shifts add up (a word copied from the prompt where the background writes a
+      delimiter), whose odds KL barely sees and the whole-vocabulary variance dilutes among ~10⁵ others.
 
     The result is not rescaled by ``T²``.
 
@@ -177,3 +189,19 @@ def log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tens
     """``mean_v (r − mean_v r)²``, ``r = lp_i − lp_b`` (log-probs floored at ``LOG_RATIO_FLOOR``)."""
     r = lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)
     return (r - r.mean(-1, keepdim=True)).pow(2).mean(-1)
+
+
+@register_divergence("plausible_log_ratio", cacheable=False)
+def plausible_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``mean_S (r − mean_S r)²``, ``r = lp_i − lp_b``, over S = the plausible tokens of either side (up to
+    ``PLAUSIBLE_K`` most likely, within ``PLAUSIBLE_MARGIN`` nats of its top; chosen without gradient)."""
+    plausible = torch.zeros(lp_b.shape, dtype=torch.bool, device=lp_b.device)
+    k = min(PLAUSIBLE_K, lp_b.shape[-1])
+    for lp in (lp_b.detach(), lp_i.detach()):
+        top = lp.topk(k, dim=-1)
+        near = top.values >= top.values[..., :1] - PLAUSIBLE_MARGIN
+        plausible |= torch.zeros_like(plausible).scatter_(-1, top.indices, near)
+    r = (lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)).where(plausible, 0.0)
+    n = plausible.sum(-1, keepdim=True)
+    mean = r.sum(-1, keepdim=True) / n
+    return ((r - mean).where(plausible, 0.0).pow(2).sum(-1, keepdim=True) / n).squeeze(-1)

@@ -38,6 +38,9 @@ REGIONS = ("own", "other", "none")
 
 
 TOP1_REGIONS = ("inside", "after", "none")
+# where greedy soft decoding first leaves the reference: the position predicting an interval's first content token
+# (`open`: its start delimiter or the token holding it), inside one, right after one closes, the final EOS, elsewhere
+FIRST_MISS_REGIONS = ("open", "inside", "after", "eos", "none")
 
 
 def _means(sums: torch.Tensor, counts: torch.Tensor, regions: tuple[str, ...]) -> dict[str, float]:
@@ -48,7 +51,7 @@ def _means(sums: torch.Tensor, counts: torch.Tensor, regions: tuple[str, ...]) -
 
 @torch.no_grad()
 def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: bool = False,
-                      misses: int = 0) -> dict[str, dict]:
+                      misses: int = 0, first_miss: bool = False) -> dict[str, dict]:
     """`{expert: {own, other, none, own_n, other_n, none_n, ratio_own, ratio_other, ratio_none}}`: mean
     KL(p_b ‖ p_i) per region, its positions, and the mean log-ratio log p_i − log p_b at the reference token.
 
@@ -67,6 +70,9 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
     missed: list[dict] = []
     top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
+    first = {"rows": 0, "no_miss": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
+             **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS},
+             "pushed_most": {name: 0 for name in composed.names}, "examples": []}
     rows = [dataset[i] for i in range(len(dataset))]
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start:start + batch_size])
@@ -99,6 +105,9 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                                     lp_b[row, pos], lp_e[:, row, pos], start + row))
             for r, region in enumerate(regions):
                 top1_counts[r] += int(region.sum())
+        if first_miss:
+            soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
+            _first_misses(first, composed, batch["input_ids"], targets, valid, anywhere, soft, lp_b, lp_e, start)
     ratio_regions = tuple(f"ratio_{region}" for region in REGIONS)
     out: dict[str, dict] = {
         name: {**_means(sums[i], counts[i], REGIONS),
@@ -110,7 +119,35 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                               for m, model in enumerate(("background", "composition"))}
         if misses:
             out["after_misses"] = missed
+    if first_miss:
+        out["first_miss"] = first
     return out
+
+
+def _first_misses(acc: dict, composed, ids, targets, valid, inside, soft, lp_b, lp_e, start: int) -> None:
+    """Adds each row's first position where the soft composition's top token misses the reference to `acc`."""
+    wrong = (soft.argmax(-1) != targets) & valid
+    weights = torch.tensor(composed.weights, dtype=lp_e.dtype)
+    for row in range(targets.shape[0]):
+        acc["rows"] += 1
+        hits = wrong[row].nonzero().flatten()
+        if not len(hits):
+            acc["no_miss"] += 1
+            continue
+        t, last = int(hits[0]), int(valid[row].nonzero().max())
+        opens = t + 1 < inside.shape[1] and bool(inside[row, t + 1])
+        region = ("inside" if inside[row, t] else "open" if opens else "eos" if t == last
+                  else "after" if t > 0 and inside[row, t - 1] else "none")
+        acc[region] += 1
+        ref, top = int(targets[row, t]), int(soft[row, t].argmax())
+        acc[f"{region}_background_right"] += int(int(lp_b[row, t].argmax()) == ref)
+        shift = weights * ((lp_e[:, row, t, ref] - lp_b[row, t, ref]) - (lp_e[:, row, t, top] - lp_b[row, t, top]))
+        acc["pushed_most"][composed.names[int(shift.argmin())]] += 1
+        if len(acc["examples"]) < 40:
+            decode = composed.tokenizer.decode
+            acc["examples"].append({"row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
+                                    "reference": decode([ref]), "composition_top": decode([top]),
+                                    "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift)}})
 
 
 def _miss(composed, ids, targets, pos: int, soft, lp_b, lp_e, row: int) -> dict:
@@ -140,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top1", action="store_true",
                         help="also how often the background's and the soft composition's top token misses the "
                              "reference, inside intervals, right after one closes, and elsewhere")
+    parser.add_argument("--first_miss", action="store_true",
+                        help="also where each row's greedy soft decoding first leaves the reference, by region, "
+                             "and which expert pushed most there")
     args = parser.parse_args(argv)
 
     from compose.frontends.combine import CombineError, assemble, check_exports, load_composed
@@ -164,10 +204,12 @@ def main(argv: list[str] | None = None) -> dict:
         assemble(combination, folder, background="ref")
         composed = load_composed(folder)
         experts = region_divergence(composed, dataset, combination.task.collator(), top1=args.top1,
-                                    misses=args.misses if args.top1 else 0)
+                                    misses=args.misses if args.top1 else 0, first_miss=args.first_miss)
         result = {"exports": [str(p) for p in args.exports], "n_test": len(dataset)}
         if args.top1:
             result["top1_errors"] = experts.pop("top1_errors")
+        if "first_miss" in experts:
+            result["first_miss"] = experts.pop("first_miss")
         if "after_misses" in experts:
             result["after_misses"] = experts.pop("after_misses")
         result["experts"] = experts
@@ -189,6 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
     for miss in result.get("after_misses", []):
         print(f"row {miss['row']}: ...{miss['before']!r} then {miss['reference']!r}, composition "
               f"{miss['composition_top']!r}; log-probs of both: {miss['logprobs [reference, top]']}")
+    if "first_miss" in result:
+        fm = result["first_miss"]
+        print(f"soft greedy decoding leaves the reference in {fm['rows'] - fm['no_miss']} of {fm['rows']} rows, first "
+              + ", ".join(f"{r} {fm[r]} (background right there: {fm[f'{r}_background_right']})"
+                          for r in FIRST_MISS_REGIONS) + "; pushed most by " + ", ".join(
+                  f"{n} {c}" for n, c in fm["pushed_most"].items()))
     if "general_perplexity" in result:
         ppl = result["general_perplexity"]
         print(f"general perplexity: composition {ppl['composition']:.4f}, background {ppl['background']:.4f} "

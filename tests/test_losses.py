@@ -244,3 +244,34 @@ def test_task_nll_without_positions_is_zero_with_grad_and_needs_a_mask_for_on_ma
     assert torch.equal(e.grad, torch.zeros_like(e))
     with pytest.raises(ValueError, match="mask"):
         task_nll(e, TARGETS, on_mask_only=True)
+
+
+def test_plausible_log_ratio_is_the_log_ratio_variance_over_the_plausible_tokens(monkeypatch):
+    from losses import divergences
+
+    # every token plausible (V <= K, no margin): the whole-vocabulary variance
+    monkeypatch.setattr(divergences, "PLAUSIBLE_MARGIN", float("inf"))
+    expert, background = _pair(3)
+    assert torch.allclose(divergence(expert, background, "plausible_log_ratio"),
+                          divergence(expert, background, "log_ratio"), atol=1e-5)
+    monkeypatch.setattr(divergences, "PLAUSIBLE_MARGIN", 10.0)
+    monkeypatch.setattr(divergences, "PLAUSIBLE_K", 2)
+    # the background's top two (0, 1), the expert's top two (0, 3): token 3 is a word the expert raises from deep in
+    # the background's tail (-40) to second place; tokens 2, 4..6 are implausible for both and do not count
+    background = torch.tensor([0.0, -1.0, -30.0, -40.0, -50.0, -60.0, -70.0])
+    expert = torch.tensor([0.0, -20.0, -30.0, -2.0, -5.0, -60.0, -75.0])
+    lp_i, lp_b = expert.log_softmax(-1), background.log_softmax(-1)
+    r = (lp_i - lp_b)[[0, 1, 3]]
+    expected = (r - r.mean()).pow(2).mean()
+    assert divergence(expert, background, "plausible_log_ratio").item() == pytest.approx(expected.item(), rel=1e-5)
+    # beyond the margin the expert's second token is not plausible (its top minus 10 nats)
+    expert[3], expert[4] = -12.0, -13.0
+    lp_i = expert.log_softmax(-1)
+    r = (lp_i - lp_b)[[0, 1]]
+    assert divergence(expert, background, "plausible_log_ratio").item() == pytest.approx(
+        (r - r.mean()).pow(2).mean().item(), rel=1e-5)
+    # the gradient reaches the expert; equal distributions give 0
+    logits = expert.clone().requires_grad_()
+    divergence(logits, background, "plausible_log_ratio").backward()
+    assert logits.grad.abs().sum() > 0
+    assert divergence(background, background, "plausible_log_ratio").item() == pytest.approx(0.0, abs=1e-6)

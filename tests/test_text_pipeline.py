@@ -159,12 +159,20 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
     spec = importlib.util.spec_from_file_location("interval_divergence", ROOT / "scripts" / "interval_divergence.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1", "--misses", "50"])
+    result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1", "--misses", "50",
+                          "--first_miss"])
     assert set(result["experts"]) == {"calc", "upper"} and result["n_test"] == 2
+    # --first_miss: each row either decodes the reference or first leaves it in exactly one region
+    first = result["first_miss"]
+    missed = sum(first[r] for r in script.FIRST_MISS_REGIONS)
+    assert first["rows"] == 2 and first["no_miss"] + missed == 2
+    assert sum(first["pushed_most"].values()) == missed == len(first["examples"])
+    assert all(first[f"{r}_background_right"] <= first[r] for r in script.FIRST_MISS_REGIONS)
     ppl = result["general_perplexity"]
     assert ppl["composition"] > 1.0 and ppl["background"] > 1.0 and ppl["composition"] != ppl["background"]
     out = capsys.readouterr().out
     assert "general perplexity: composition" in out and "composition: top token misses the reference" in out
+    assert "soft greedy decoding leaves the reference in" in out
 
     # --top1's regions partition the target positions; `after` is the position following each interval's end
     from compose.frontends.combine import check_exports
