@@ -145,9 +145,10 @@ def _first_misses(acc: dict, composed, ids, targets, valid, inside, soft, lp_b, 
         acc["pushed_most"][composed.names[int(shift.argmin())]] += 1
         if len(acc["examples"]) < 40:
             decode = composed.tokenizer.decode
-            acc["examples"].append({"row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
-                                    "reference": decode([ref]), "composition_top": decode([top]),
-                                    "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift)}})
+            acc["examples"].append({
+                "row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
+                "reference": decode([ref]), "composition_top": decode([top]),
+                "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift.tolist(), strict=True)}})
 
 
 def _miss(composed, ids, targets, pos: int, soft, lp_b, lp_e, row: int) -> dict:
