@@ -70,7 +70,7 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
     missed: list[dict] = []
     top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
-    first = {"rows": 0, "no_miss": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
+    first = {"rows": 0, "no_miss": 0, "inside_owner_right": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
              **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS},
              "pushed_most": {name: 0 for name in composed.names}, "examples": []}
     rows = [dataset[i] for i in range(len(dataset))]
@@ -107,7 +107,7 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                 top1_counts[r] += int(region.sum())
         if first_miss:
             soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
-            _first_misses(first, composed, batch["input_ids"], targets, valid, anywhere, soft, lp_b, lp_e, start)
+            _first_misses(first, composed, batch["input_ids"], targets, valid, masks, soft, lp_b, lp_e, start)
     ratio_regions = tuple(f"ratio_{region}" for region in REGIONS)
     out: dict[str, dict] = {
         name: {**_means(sums[i], counts[i], REGIONS),
@@ -124,8 +124,11 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     return out
 
 
-def _first_misses(acc: dict, composed, ids, targets, valid, inside, soft, lp_b, lp_e, start: int) -> None:
-    """Adds each row's first position where the soft composition's top token misses the reference to `acc`."""
+def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, lp_e, start: int) -> None:
+    """Adds each row's first position where the soft composition's top token misses the reference to `acc`
+    (`masks`: `[k, B, T]`, each expert's interval positions). Inside an interval, also whether its owner alone
+    ranks the reference first there (`inside_owner_right`: the miss is the other experts' doing)."""
+    inside = masks.any(0)
     wrong = (soft.argmax(-1) != targets) & valid
     weights = torch.tensor(composed.weights, dtype=lp_e.dtype)
     for row in range(targets.shape[0]):
@@ -141,6 +144,9 @@ def _first_misses(acc: dict, composed, ids, targets, valid, inside, soft, lp_b, 
         acc[region] += 1
         ref, top = int(targets[row, t]), int(soft[row, t].argmax())
         acc[f"{region}_background_right"] += int(int(lp_b[row, t].argmax()) == ref)
+        if region == "inside":
+            owner = int(masks[:, row, t].nonzero()[0])
+            acc["inside_owner_right"] += int(int(lp_e[owner, row, t].argmax()) == ref)
         shift = weights * ((lp_e[:, row, t, ref] - lp_b[row, t, ref]) - (lp_e[:, row, t, top] - lp_b[row, t, top]))
         acc["pushed_most"][composed.names[int(shift.argmin())]] += 1
         if len(acc["examples"]) < 40:
@@ -236,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         fm = result["first_miss"]
         print(f"soft greedy decoding leaves the reference in {fm['rows'] - fm['no_miss']} of {fm['rows']} rows, first "
               + ", ".join(f"{r} {fm[r]} (background right there: {fm[f'{r}_background_right']})"
-                          for r in FIRST_MISS_REGIONS) + "; pushed most by " + ", ".join(
+                          for r in FIRST_MISS_REGIONS) + f"; inside, the interval's owner alone right there: "
+              f"{fm['inside_owner_right']}; pushed most by " + ", ".join(
                   f"{n} {c}" for n, c in fm["pushed_most"].items()))
     if "general_perplexity" in result:
         ppl = result["general_perplexity"]

@@ -342,8 +342,8 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
     # targets are token 0 everywhere; an interval covers positions 2-3 of every row; the last position is the EOS
     targets = torch.zeros(4, T, dtype=torch.long)
     valid = torch.ones(4, T, dtype=torch.bool)
-    inside = torch.zeros(4, T, dtype=torch.bool)
-    inside[:, 2:4] = True
+    masks = torch.zeros(2, 4, T, dtype=torch.bool)
+    masks[0, :, 2:4] = True  # expert a's
     lp_b = torch.full((4, T, V), -5.0)
     lp_b[..., 0] = 0.0  # the background is right everywhere
     lp_e = lp_b.expand(2, 4, T, V).clone()
@@ -351,10 +351,11 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
     for row, (t, pusher) in enumerate([(1, 1), (2, 0), (4, 1), (5, 0)]):  # open, inside, after, eos
         soft[row, t, 3] = 1.0  # the composition's top token is 3 at t
         lp_e[pusher, row, t, 3] = 2.0  # and expert `pusher` raised it most
-    acc = {"rows": 0, "no_miss": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
+    acc = {"rows": 0, "no_miss": 0, "inside_owner_right": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
            **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS}, "pushed_most": {n: 0 for n in names},
            "examples": []}
-    _first_misses(acc, composed, torch.zeros(4, T, dtype=torch.long), targets, valid, inside, soft, lp_b, lp_e, 0)
+    _first_misses(acc, composed, torch.zeros(4, T, dtype=torch.long), targets, valid, masks, soft, lp_b, lp_e, 0)
     assert [acc[r] for r in FIRST_MISS_REGIONS] == [1, 1, 1, 1, 0] and acc["no_miss"] == 0
     assert acc["open_background_right"] == 1 and acc["pushed_most"] == {"a": 2, "b": 2}
+    assert acc["inside_owner_right"] == 0  # the owner (a) raised the wrong token itself
     assert [e["region"] for e in acc["examples"]] == ["open", "inside", "after", "eos"]
