@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
-# The full suite, slow reproductions included (this is what CI runs).
+# The full suite, slow reproductions included (this is what CI runs); the 15 slowest tests are listed at the end,
+# so a run that grows shows where.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 # Everything but the `slow` reproductions.
 test-fast: $(STAMP)
