@@ -1,7 +1,7 @@
 """How far each expert of a composition moves off the background, by region of the compositional test rows.
 
     python scripts/interval_divergence.py EXPORT [EXPORT ...] [--limit 48] [--test_setting eval_limit=48] \
-        [--perplexity] [--top1] [--out FILE.json]
+        [--perplexity] [--top1] [--first_miss] [--out FILE.json]
 
 For each expert i, the mean KL(p_b ‖ p_i) (teacher-forced on the reference) at the target positions of the
 compositional test rows that lie in its own interval (`own`), in another expert's interval (`other`), and in no
@@ -18,6 +18,12 @@ rule adds that pull of every other expert to the active one's log-prob.
 inside an interval, at the first position after one closes (`after`: the text right after `>>` or `]`), and
 elsewhere in no interval (`none`). Where the experts drift the same way just after their intervals close, the
 composition errs at `after` where the background does not.
+
+`--first_miss`: where greedy soft decoding first leaves each row's reference (the first teacher-forced position
+whose top token is not the reference's; greedy decoding copies the reference up to there): at the token that opens
+an interval, inside one, right after one closes, at the final EOS, or elsewhere; whether the background alone (or,
+inside an interval, its owner alone) ranks the reference first there; and which expert's shift of the two tokens'
+odds was largest.
 """
 
 from __future__ import annotations
