@@ -44,8 +44,8 @@ REGIONS = ("own", "other", "none")
 
 
 TOP1_REGIONS = ("inside", "after", "none")
-# where greedy soft decoding first leaves the reference: the position predicting an interval's first content token
-# (`open`: its start delimiter or the token holding it), inside one, right after one closes, the final EOS, elsewhere
+# where greedy soft decoding first leaves the reference: at the token just before an interval's content (`open`: its
+# start delimiter or the token holding it), inside one, right after one closes, the final EOS, elsewhere
 FIRST_MISS_REGIONS = ("open", "inside", "after", "eos", "none")
 
 
@@ -76,9 +76,7 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     errors = torch.zeros(2, len(TOP1_REGIONS), dtype=torch.long)
     missed: list[dict] = []
     top1_counts = torch.zeros(len(TOP1_REGIONS), dtype=torch.long)
-    first = {"rows": 0, "no_miss": 0, "inside_owner_right": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
-             **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS},
-             "pushed_most": {name: 0 for name in composed.names}, "examples": []}
+    first = first_miss_counts(composed.names)
     rows = [dataset[i] for i in range(len(dataset))]
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start:start + batch_size])
@@ -96,8 +94,9 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
                 sums[i, r] += kl[i][region].sum()
                 ratio_sums[i, r] += ref_ratio[i][region].sum()
                 counts[i, r] += int(region.sum())
-        if top1:
+        if top1 or first_miss:
             soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
+        if top1:
             closed = torch.zeros_like(anywhere)
             closed[:, 1:] = anywhere[:, :-1]  # the position before was the last of an interval
             after = valid & ~anywhere & closed
@@ -112,7 +111,6 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
             for r, region in enumerate(regions):
                 top1_counts[r] += int(region.sum())
         if first_miss:
-            soft = compose_logprobs(lp_b, lp_e, weights=composed.weights, min_logprob=composed.min_logprob)
             _first_misses(first, composed, batch["input_ids"], targets, valid, masks, soft, lp_b, lp_e, start)
     ratio_regions = tuple(f"ratio_{region}" for region in REGIONS)
     out: dict[str, dict] = {
@@ -128,6 +126,15 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     if first_miss:
         out["first_miss"] = first
     return out
+
+
+def first_miss_counts(names: list[str]) -> dict:
+    """The empty tally `_first_misses` adds to: rows, rows with no miss, each region's misses and how many the
+    background alone gets right, inside misses the owner alone gets right, misses per expert pushing most, and
+    the first 40 misses as examples."""
+    return {"rows": 0, "no_miss": 0, "inside_owner_right": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
+            **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS},
+            "pushed_most": {name: 0 for name in names}, "examples": []}
 
 
 def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, lp_e, start: int) -> None:

@@ -334,7 +334,7 @@ def test_foreign_spans_sets_how_many_spans_a_row_gets(tok):
 def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_largest_push():
     from types import SimpleNamespace
 
-    from scripts.interval_divergence import FIRST_MISS_REGIONS, _first_misses
+    from scripts.interval_divergence import FIRST_MISS_REGIONS, _first_misses, first_miss_counts
 
     V, T = 5, 6
     names = ["a", "b"]
@@ -351,9 +351,7 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
     for row, (t, pusher) in enumerate([(1, 1), (2, 0), (4, 1), (5, 0)]):  # open, inside, after, eos
         soft[row, t, 3] = 1.0  # the composition's top token is 3 at t
         lp_e[pusher, row, t, 3] = 2.0  # and expert `pusher` raised it most
-    acc = {"rows": 0, "no_miss": 0, "inside_owner_right": 0, **{r: 0 for r in FIRST_MISS_REGIONS},
-           **{f"{r}_background_right": 0 for r in FIRST_MISS_REGIONS}, "pushed_most": {n: 0 for n in names},
-           "examples": []}
+    acc = first_miss_counts(names)
     _first_misses(acc, composed, torch.zeros(4, T, dtype=torch.long), targets, valid, masks, soft, lp_b, lp_e, 0)
     assert [acc[r] for r in FIRST_MISS_REGIONS] == [1, 1, 1, 1, 0] and acc["no_miss"] == 0
     assert acc["open_background_right"] == 1 and acc["pushed_most"] == {"a": 2, "b": 2}
