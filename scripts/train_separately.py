@@ -44,6 +44,12 @@ def expert_node(spec: dict) -> str:
     return "experts=[" + yaml.safe_dump(spec, default_flow_style=True, width=10**6).strip() + "]"
 
 
+def _say(line: str) -> None:
+    """One whole console line: runs trained at once print from threads, and `print` writes its newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def train_one(config: str, overrides: list[str], spec: dict, out: Path, background: Path | None,
               seed: int | None = None, test_limit: int | None = None, log: bool = False) -> dict:
     """One expert, one run, one process; returns its `summary.json`. `log`: its console goes to `OUT.log` beside
@@ -57,13 +63,13 @@ def train_one(config: str, overrides: list[str], spec: dict, out: Path, backgrou
             cmd.append(f"background.path={background}")
         if seed is not None:
             cmd.append(f"seed={seed}")
-        print(f"[separately] {spec['name']}: {' '.join(cmd[1:])}", flush=True)
+        _say(f"[separately] {spec['name']}: {' '.join(cmd[1:])}")
         if not log:
             subprocess.run(cmd, check=True, cwd=ROOT)
             return json.loads(summary.read_text())
         path = out.parent / f"{out.name}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[separately] {spec['name']}: console in {path}", flush=True)
+        _say(f"[separately] {spec['name']}: console in {path}")
         with open(path, "a") as console:
             code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
         if code:
