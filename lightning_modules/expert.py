@@ -35,7 +35,14 @@ from compose.positions import model_position_ids
 from compose.trunk import decoder_layers
 from lightning_modules.background import training_position_ids
 from lightning_modules.optim import adamw_with_schedule
-from losses import IGNORE_INDEX, check_divergence_args, off_mask_divergence, region_positions, task_nll
+from losses import (
+    IGNORE_INDEX,
+    check_divergence_args,
+    divergence_spec,
+    off_mask_divergence,
+    region_positions,
+    task_nll,
+)
 from losses.background_cache import CACHE_KINDS, BackgroundCache, BackgroundTopK
 from losses.chunked import Head, RowSum, chunked_row_sums
 from losses.features import FeatureMap, feature_divergence, feature_masks, owned_matrix
@@ -161,6 +168,9 @@ class ExpertSettings:
             if weight != 1 and self.regularizer == "features":
                 raise SettingsError("{weight} needs {token} (the feature regularizer weighs every position alike)",
                                     weight=(key, weight), token=("regularizer", "token"))
+        if self.regularizer == "features" and divergence_spec(self.divergence).needs_written:
+            raise SettingsError("{divergence} needs {token} (feature marginals have no written token)",
+                                divergence=("divergence", self.divergence), token=("regularizer", "token"))
         if self.position_jump and self.background_top_k is not None:
             raise SettingsError("{jump} cannot be used with {cache} (the cache holds one set of positions per row): "
                                 "set one of them to 0 / {none}", jump=("position_jump",), cache=cache, none=none)
@@ -503,7 +513,7 @@ class ExpertLM(pl.LightningModule):
         scored, off = task_targets(batch, h.task_loss_on_mask_only), region_positions(targets, own_mask, "off")
         terms = [RowSum(scored != IGNORE_INDEX, scored)]
         if h.reg_weight > 0:
-            terms.append(RowSum(off, divergence=h.divergence, beta=h.jsd_beta, temperature=h.temperature,
+            terms.append(RowSum(off, targets, divergence=h.divergence, beta=h.jsd_beta, temperature=h.temperature,
                                 weight=self._position_weight(batch)))
         if log_now:  # `_log_per_expert`'s metrics: the NLL of task rows, the forward KL (T = 1) off the mask
             terms += [RowSum((targets != IGNORE_INDEX) & is_task.unsqueeze(1), targets, grad=False),

@@ -28,7 +28,8 @@ Head = Callable[[Tensor], Tensor]  # an output head: hidden states [B, c, d] -> 
 @dataclass(frozen=True)
 class RowSum:
     """One quantity summed per row over `positions` (`[B, T]` bool): the expert's NLL of `targets` (when
-    `divergence` is None), else `losses.divergence(kind=divergence, beta, temperature)` against the background;
+    `divergence` is None), else `losses.divergence(kind=divergence, beta, temperature)` against the background
+    (`targets`, when given, its `written` tokens);
     each position's value times `weight` (`[B, T]`) when given. `grad=False`: a metric only (computed without a
     graph)."""
 
@@ -61,7 +62,8 @@ def row_sums(expert_logits: Tensor, background_logits: Tensor | None, terms: Seq
                 values = F.cross_entropy(expert_logits[keep].float(), term.targets[keep], reduction="none")
             else:  # as `off_mask_divergence`
                 values = divergence(expert_logits[keep], background_logits[keep], term.divergence,
-                                    beta=term.beta, temperature=term.temperature)
+                                    beta=term.beta, temperature=term.temperature,
+                                    written=None if term.targets is None else term.targets[keep])
             if term.weight is not None:
                 values = values * term.weight[keep].to(values)
             row = keep.nonzero(as_tuple=True)[0]

@@ -32,7 +32,9 @@ side's most likely token (about what the shifts of a few experts can add up to i
 
 LogprobDivergence = Callable[..., Tensor]
 """``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
-(``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it)."""
+(``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it). A
+divergence registered with ``needs_written=True`` also takes ``written`` (``[...]`` token ids: the token the
+row writes at each position)."""
 
 
 @dataclass(frozen=True)
@@ -46,19 +48,23 @@ class DivergenceSpec:
             for f-divergences of the categorical distributions, whose value on the cache's bucketed
             distributions (top-k tokens plus one tail bucket) is a lower bound that grows with k; false for a
             divergence that needs the background's log-prob of every token (``log_ratio``).
+        needs_written: whether ``fn`` also takes ``written``, the token each position's row writes (the target).
     """
 
     name: str
     fn: LogprobDivergence
     cacheable: bool
+    needs_written: bool = False
 
 
 DIVERGENCES: dict[str, DivergenceSpec] = {}
 """Every divergence by name, in registration order (the built-ins first)."""
 
 
-def register_divergence(name: str, *, cacheable: bool) -> Callable[[LogprobDivergence], LogprobDivergence]:
-    """Decorator: register ``fn(lp_i, lp_b, *, beta)`` (`LogprobDivergence`) as divergence ``name``.
+def register_divergence(name: str, *, cacheable: bool,
+                        needs_written: bool = False) -> Callable[[LogprobDivergence], LogprobDivergence]:
+    """Decorator: register ``fn(lp_i, lp_b, *, beta)`` (`LogprobDivergence`; with ``needs_written``,
+    ``fn(lp_i, lp_b, *, beta, written)``) as divergence ``name``.
 
     Example::
 
@@ -72,9 +78,11 @@ def register_divergence(name: str, *, cacheable: bool) -> Callable[[LogprobDiver
         raise ValueError(f"a divergence name must be a non-empty string, got {name!r}")
     if name in DIVERGENCES:
         raise ValueError(f"divergence {name!r} is already registered ({DIVERGENCES[name].fn.__qualname__})")
+    if needs_written and cacheable:  # the cache keeps the background's top tokens, not the written one
+        raise ValueError(f"divergence {name!r}: one that needs the written token cannot be cacheable")
 
     def register(fn: LogprobDivergence) -> LogprobDivergence:
-        DIVERGENCES[name] = DivergenceSpec(name, fn, bool(cacheable))
+        DIVERGENCES[name] = DivergenceSpec(name, fn, bool(cacheable), bool(needs_written))
         return fn
 
     return register
@@ -104,6 +112,7 @@ def divergence(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
+    written: Tensor | None = None,
 ) -> Tensor:
     """Divergence between expert and background next-token distributions, one value per position.
 
@@ -124,6 +133,11 @@ def divergence(
       ``PLAUSIBLE_K`` most likely within ``PLAUSIBLE_MARGIN`` nats of its top. These are the tokens a composition
       can pick once the other experts' shifts add up (a word copied from the prompt where the background writes a
       delimiter), whose odds KL barely sees and the whole-vocabulary variance dilutes among ~10⁵ others.
+    - ``"written_log_ratio"``: ``plausible_log_ratio`` with the token the row writes at the position added to the
+      compared tokens (it needs ``written``). Inside another expert's interval the composition writes a token
+      neither the background nor this expert finds plausible (a reversed word); an expert that pulls such a
+      token down pulls it down in the composition, and ``plausible_log_ratio`` does not see it. Rows whose text
+      holds such tokens (random foreign spans, `data.foreign_spans`) then hold the expert to the background there.
 
     The result is not rescaled by ``T²``.
 
@@ -133,6 +147,8 @@ def divergence(
         kind: a name in ``DIVERGENCES``.
         beta: weight of the background in the JSD mixture, in ``[0, 1]``.
         temperature: log-probs are computed from ``logits / temperature``.
+        written: ``[...]`` token ids, the token written at each position (the target); needed by the divergences
+            registered with ``needs_written`` (``written_log_ratio``), ignored by the others.
 
     Returns:
         float32 tensor ``[...]`` (the input shape without the vocabulary axis).
@@ -145,15 +161,23 @@ def divergence(
         )
     lp_i = (expert_logits.float() / temperature).log_softmax(-1)
     lp_b = (background_logits.detach().float() / temperature).log_softmax(-1)
-    return logprob_divergence(lp_i, lp_b, kind, beta=beta)
+    return logprob_divergence(lp_i, lp_b, kind, beta=beta, written=written)
 
 
-def logprob_divergence(lp_i: Tensor, lp_b: Tensor, kind: str = "forward_kl", *, beta: float = 0.5) -> Tensor:
+def logprob_divergence(lp_i: Tensor, lp_b: Tensor, kind: str = "forward_kl", *, beta: float = 0.5,
+                       written: Tensor | None = None) -> Tensor:
     """:func:`divergence` from normalized log-probs ``[..., V]`` (already tempered): ``lp_i`` of the expert,
     ``lp_b`` of the background (not detached here). The categories need not be tokens: any partition of the
     vocabulary into buckets (``losses.background_cache``) gives the divergence of the bucketed distributions.
     """
-    return divergence_spec(kind).fn(lp_i, lp_b, beta=beta)
+    spec = divergence_spec(kind)
+    if not spec.needs_written:
+        return spec.fn(lp_i, lp_b, beta=beta)
+    if written is None or written.shape != lp_i.shape[:-1]:
+        got = None if written is None else tuple(written.shape)
+        raise ValueError(f"divergence {kind!r} needs the written token of each position: written of shape "
+                         f"{tuple(lp_i.shape[:-1])}, got {got}")
+    return spec.fn(lp_i, lp_b, beta=beta, written=written)
 
 
 def _kl(lp_p: Tensor, lp_q: Tensor) -> Tensor:
@@ -191,17 +215,36 @@ def log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tens
     return (r - r.mean(-1, keepdim=True)).pow(2).mean(-1)
 
 
-@register_divergence("plausible_log_ratio", cacheable=False)
-def plausible_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
-    """``mean_S (r − mean_S r)²``, ``r = lp_i − lp_b``, over S = the plausible tokens of either side (up to
-    ``PLAUSIBLE_K`` most likely, within ``PLAUSIBLE_MARGIN`` nats of its top; chosen without gradient)."""
+def _plausible(lp_i: Tensor, lp_b: Tensor) -> Tensor:
+    """Boolean ``[..., V]``: the tokens among either side's ``PLAUSIBLE_K`` most likely within ``PLAUSIBLE_MARGIN``
+    nats of its top (chosen without gradient)."""
     plausible = torch.zeros(lp_b.shape, dtype=torch.bool, device=lp_b.device)
     k = min(PLAUSIBLE_K, lp_b.shape[-1])
     for lp in (lp_b.detach(), lp_i.detach()):
         top = lp.topk(k, dim=-1)
         near = top.values >= top.values[..., :1] - PLAUSIBLE_MARGIN
         plausible |= torch.zeros_like(plausible).scatter_(-1, top.indices, near)
-    r = (lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)).where(plausible, 0.0)
-    n = plausible.sum(-1, keepdim=True)
+    return plausible
+
+
+def _log_ratio_variance_over(lp_i: Tensor, lp_b: Tensor, tokens: Tensor) -> Tensor:
+    """``mean_S (r − mean_S r)²``, ``r = lp_i − lp_b`` (floored at ``LOG_RATIO_FLOOR``), S the ``tokens`` (bool
+    ``[..., V]``, at least one per position)."""
+    r = (lp_i.clamp_min(LOG_RATIO_FLOOR) - lp_b.clamp_min(LOG_RATIO_FLOOR)).where(tokens, 0.0)
+    n = tokens.sum(-1, keepdim=True)
     mean = r.sum(-1, keepdim=True) / n
-    return ((r - mean).where(plausible, 0.0).pow(2).sum(-1, keepdim=True) / n).squeeze(-1)
+    return ((r - mean).where(tokens, 0.0).pow(2).sum(-1, keepdim=True) / n).squeeze(-1)
+
+
+@register_divergence("plausible_log_ratio", cacheable=False)
+def plausible_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``mean_S (r − mean_S r)²``, ``r = lp_i − lp_b``, over S = the plausible tokens of either side (up to
+    ``PLAUSIBLE_K`` most likely, within ``PLAUSIBLE_MARGIN`` nats of its top; chosen without gradient)."""
+    return _log_ratio_variance_over(lp_i, lp_b, _plausible(lp_i, lp_b))
+
+
+@register_divergence("written_log_ratio", cacheable=False, needs_written=True)
+def written_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5, written: Tensor) -> Tensor:
+    """``plausible_log_ratio_variance`` over the plausible tokens and the written one."""
+    tokens = _plausible(lp_i, lp_b).scatter(-1, written.unsqueeze(-1).to(lp_i.device), True)
+    return _log_ratio_variance_over(lp_i, lp_b, tokens)

@@ -110,7 +110,8 @@ def off_mask_divergence(
                                        temperature=temperature)
     else:
         per_position = divergence(
-            expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature
+            expert_logits[keep], background_logits[keep], kind, beta=beta, temperature=temperature,
+            written=targets[keep],
         )
     if position_weight is not None:
         if position_weight.shape != targets.shape:

@@ -70,7 +70,8 @@ def assert_same_step(m: ExpertLM, chunks=(1, 3, 4, T, 64), data=None) -> None:
             torch.testing.assert_close(c_logged[key], logged[key], rtol=1e-5, atol=1e-6, msg=f"{key}, chunk {chunk}")
 
 
-@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "log_ratio", "plausible_log_ratio"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "log_ratio", "plausible_log_ratio",
+                                        "written_log_ratio"])
 def test_chunked_lora_losses_and_gradients_equal_the_plain_ones(divergence):
     assert_same_step(module(divergence=divergence, temperature=2.0, jsd_beta=0.3))
 

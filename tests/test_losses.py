@@ -275,3 +275,37 @@ def test_plausible_log_ratio_is_the_log_ratio_variance_over_the_plausible_tokens
     divergence(logits, background, "plausible_log_ratio").backward()
     assert logits.grad.abs().sum() > 0
     assert divergence(background, background, "plausible_log_ratio").item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_written_log_ratio_adds_the_written_token_to_the_plausible_ones(monkeypatch):
+    from losses import divergences
+
+    monkeypatch.setattr(divergences, "PLAUSIBLE_K", 2)
+    # token 4 is implausible for both sides (the background's top -50, the expert's -5 below its own second):
+    # written there, a reversed word another expert writes, its log-ratio counts; a plausible written token adds
+    # nothing to the plausible set
+    background = torch.tensor([[0.0, -1.0, -30.0, -40.0, -50.0, -60.0, -70.0]] * 2)
+    expert = torch.tensor([[0.0, -20.0, -30.0, -2.0, -55.0, -60.0, -75.0]] * 2)
+    written = torch.tensor([4, 0])
+    lp_i, lp_b = expert.log_softmax(-1), background.log_softmax(-1)
+    r = (lp_i - lp_b)[0, [0, 1, 3, 4]]
+    got = divergence(expert, background, "written_log_ratio", written=written)
+    assert got[0].item() == pytest.approx((r - r.mean()).pow(2).mean().item(), rel=1e-5)
+    assert got[1].item() == pytest.approx(divergence(expert, background, "plausible_log_ratio")[1].item(), rel=1e-6)
+    logits = expert.clone().requires_grad_()
+    divergence(logits, background, "written_log_ratio", written=written).sum().backward()
+    assert logits.grad[0, 4] != 0  # the gradient reaches the written token
+    with pytest.raises(ValueError, match="written_log_ratio.*written token"):
+        divergence(expert, background, "written_log_ratio")
+
+
+def test_off_mask_divergence_passes_each_positions_written_token():
+    expert, background = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, 0] = -100
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 2] = True
+    keep = (targets != -100) & ~mask
+    expected = divergence(expert[keep], background[keep], "written_log_ratio", written=targets[keep]).mean()
+    got = off_mask_divergence(expert, background, targets, mask, kind="written_log_ratio")
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)

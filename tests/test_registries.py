@@ -87,6 +87,17 @@ def test_a_taken_divergence_name_is_refused():
     assert DIVERGENCES["jsd"].fn.__name__ == "generalized_jsd"
 
 
+def test_a_divergence_that_needs_the_written_token_cannot_be_cacheable_nor_a_feature_regularizer():
+    from lightning_modules.expert import ExpertSettings
+
+    with pytest.raises(ValueError, match="'written_l2': .*cannot be cacheable"):
+        register_divergence("written_l2", cacheable=True, needs_written=True)
+    assert "written_l2" not in DIVERGENCES
+    assert divergence_spec("written_log_ratio").needs_written and not divergence_spec("log_ratio").needs_written
+    with pytest.raises(ValueError, match="divergence='written_log_ratio' needs regularizer='token'"):
+        ExpertSettings(divergence="written_log_ratio", regularizer="features")
+
+
 # --- tasks ---------------------------------------------------------------------------------------------------
 def test_an_unknown_task_is_an_error_naming_it_and_the_known_ones():
     with pytest.raises(TaskError, match="task.name='nope' is not one of letters, intervals, text, features$"):
