@@ -281,9 +281,8 @@ def test_written_log_ratio_adds_the_written_token_to_the_plausible_ones(monkeypa
     from losses import divergences
 
     monkeypatch.setattr(divergences, "PLAUSIBLE_K", 2)
-    # token 4 is implausible for both sides (the background's top -50, the expert's -5 below its own second):
-    # written there, a reversed word another expert writes, its log-ratio counts; a plausible written token adds
-    # nothing to the plausible set
+    # token 4 is implausible to both sides (50 and 55 nats below their tops), like a reversed word another expert
+    # writes: written there, its log-ratio counts; a written token that is already plausible (0) adds nothing
     background = torch.tensor([[0.0, -1.0, -30.0, -40.0, -50.0, -60.0, -70.0]] * 2)
     expert = torch.tensor([[0.0, -20.0, -30.0, -2.0, -55.0, -60.0, -75.0]] * 2)
     written = torch.tensor([4, 0])
