@@ -30,6 +30,9 @@ PLAUSIBLE_MARGIN = 10.0
 """``plausible_log_ratio``: a token is plausible for a side when its log-prob is within this many nats of that
 side's most likely token (about what the shifts of a few experts can add up to in a composition)."""
 
+TAIL_TOKENS = 32
+"""``tail_log_ratio``: this many tokens spread evenly over the vocabulary are compared beside the plausible ones."""
+
 LogprobDivergence = Callable[..., Tensor]
 """``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
 (``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it). A
@@ -248,3 +251,23 @@ def written_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5,
     """``plausible_log_ratio_variance`` over the plausible tokens and the written one."""
     tokens = _plausible(lp_i, lp_b).scatter(-1, written.unsqueeze(-1).to(lp_i.device), True)
     return _log_ratio_variance_over(lp_i, lp_b, tokens)
+
+
+def _vocabulary_spread(lp_b: Tensor, n: int) -> Tensor:
+    """Boolean ``[..., V]``: ``n`` token ids spread evenly over the vocabulary, from an offset that changes with the
+    background's most likely token (so that positions, and steps, compare different tail tokens; no randomness)."""
+    vocab = lp_b.shape[-1]
+    stride = max(vocab // n, 1)
+    offset = (lp_b.detach().argmax(-1, keepdim=True) * 40503) % stride  # 40503: a prime, to scatter the offsets
+    ids = (offset + stride * torch.arange(min(n, vocab), device=lp_b.device)) % vocab
+    return torch.zeros(lp_b.shape, dtype=torch.bool, device=lp_b.device).scatter_(-1, ids, True)
+
+
+@register_divergence("tail_log_ratio", cacheable=False)
+def tail_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``plausible_log_ratio_variance`` over the plausible tokens and ``TAIL_TOKENS`` spread over the vocabulary.
+
+    Where the background is sure of one token, the plausible set is that token alone, and an expert may raise the
+    whole tail by a few nats unseen by KL and by ``plausible_log_ratio``; k such experts add their rises in a
+    composition. The spread tokens stand for the tail, which then weighs as much as the plausible tokens."""
+    return _log_ratio_variance_over(lp_i, lp_b, _plausible(lp_i, lp_b) | _vocabulary_spread(lp_b, TAIL_TOKENS))

@@ -167,7 +167,17 @@ def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, l
             acc["examples"].append({
                 "row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
                 "reference": decode([ref]), "composition_top": decode([top]),
-                "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift.tolist(), strict=True)}})
+                "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift.tolist(), strict=True)},
+                "log_ratio": _log_ratios(composed.names, lp_e[:, row, t], lp_b[row, t], ref, top)})
+
+
+def _log_ratios(names: list[str], lp_e: torch.Tensor, lp_b: torch.Tensor, ref: int, top: int) -> dict:
+    """Each expert's log-ratio log p_i − log p_b at one position (`lp_e`: `[k, V]`): at the reference token, at the
+    composition's top token, and its median over the vocabulary (where the bulk of the tail sits: a median far
+    below 0 is an expert sharper than the background everywhere, not against one token)."""
+    r = lp_e - lp_b
+    return {n: {"reference": round(float(r[i, ref]), 2), "top": round(float(r[i, top]), 2),
+                "median": round(float(r[i].median()), 2)} for i, n in enumerate(names)}
 
 
 def _miss(composed, ids, targets, pos: int, soft, lp_b, lp_e, row: int) -> dict:

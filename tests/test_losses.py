@@ -298,6 +298,34 @@ def test_written_log_ratio_adds_the_written_token_to_the_plausible_ones(monkeypa
         divergence(expert, background, "written_log_ratio")
 
 
+def test_tail_log_ratio_sees_an_expert_that_raises_the_whole_tail(monkeypatch):
+    from losses import divergences
+
+    monkeypatch.setattr(divergences, "TAIL_TOKENS", 4)
+    # the background is sure of token 0; the expert keeps token 0 and raises every other token by 4 nats: no token
+    # but 0 is plausible to either side, so plausible_log_ratio sees nothing, while in a composition of k such
+    # experts every tail token gains 4k nats
+    background = torch.full((2, 40), -30.0)
+    background[:, 0] = 0.0
+    background[1, 0], background[1, 10] = -30.0, 0.0  # a second position, sure of token 10
+    expert = background + 4.0
+    expert[0, 0], expert[1, 10] = 0.0, 0.0
+    assert divergence(expert, background, "plausible_log_ratio").abs().max().item() < 1e-6
+    got = divergence(expert, background, "tail_log_ratio")
+    lp_i, lp_b = expert.log_softmax(-1), background.log_softmax(-1)
+    for row, top in enumerate((0, 10)):
+        # the compared set: the sure token and 4 ids spread by 10 from an offset set by the background's top token
+        offset = top * 40503 % 10
+        tokens = sorted({top} | {offset + 10 * j for j in range(4)})
+        r = (lp_i - lp_b)[row, tokens]
+        assert got[row].item() == pytest.approx((r - r.mean()).pow(2).mean().item(), rel=1e-5)
+        assert got[row].item() > 1.0
+    logits = expert.clone().requires_grad_()
+    divergence(logits, background, "tail_log_ratio").sum().backward()
+    assert logits.grad.abs().sum() > 0
+    assert divergence(background, background, "tail_log_ratio").abs().max().item() < 1e-6
+
+
 def test_off_mask_divergence_passes_each_positions_written_token():
     expert, background = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))

@@ -357,3 +357,6 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
     assert acc["open_background_right"] == 1 and acc["pushed_most"] == {"a": 2, "b": 2}
     assert acc["inside_owner_right"] == 0  # the owner (a) raised the wrong token itself
     assert [e["region"] for e in acc["examples"]] == ["open", "inside", "after", "eos"]
+    # each expert's log-ratio at the reference, at the composition's top token, and its median over the vocabulary
+    assert acc["examples"][1]["log_ratio"] == {"a": {"reference": 0.0, "top": 7.0, "median": 0.0},
+                                               "b": {"reference": 0.0, "top": 0.0, "median": 0.0}}
