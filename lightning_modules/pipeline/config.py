@@ -169,8 +169,7 @@ class ExpertTrainingConfig:
     # foreign span of reg_data=own+foreign; text task); 1: as any other position
     reg_after_close: float = ExpertSettings.reg_after_close
     reg_inside_foreign: float = ExpertSettings.reg_inside_foreign
-    divergence: str = ExpertSettings.divergence  # forward_kl | reverse_kl | jsd | log_ratio | plausible_log_ratio | written_log_ratio | tail_log_ratio
-    # (losses.DIVERGENCES)
+    divergence: str = ExpertSettings.divergence  # a name in losses.DIVERGENCES (forward_kl, ..., tail_log_ratio)
     jsd_beta: float = ExpertSettings.jsd_beta
     temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
     # own | background | composition (own rows + composed prefixes: co-training) | own+background |
