@@ -254,13 +254,12 @@ def written_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5,
 
 
 def _vocabulary_spread(lp_b: Tensor, n: int) -> Tensor:
-    """Boolean ``[..., V]``: ``n`` token ids spread evenly over the vocabulary, from an offset that changes with the
-    background's most likely token (so that positions, and steps, compare different tail tokens; no randomness)."""
+    """Token ids ``[..., n]`` spread evenly over the vocabulary, from an offset that changes with the background's
+    most likely token (so that positions, and steps, compare different tail tokens; no randomness)."""
     vocab = lp_b.shape[-1]
     stride = max(vocab // n, 1)
     offset = (lp_b.detach().argmax(-1, keepdim=True) * 40503) % stride  # 40503: a prime, to scatter the offsets
-    ids = (offset + stride * torch.arange(min(n, vocab), device=lp_b.device)) % vocab
-    return torch.zeros(lp_b.shape, dtype=torch.bool, device=lp_b.device).scatter_(-1, ids, True)
+    return (offset + stride * torch.arange(min(n, vocab), device=lp_b.device)) % vocab
 
 
 @register_divergence("tail_log_ratio", cacheable=False)
@@ -270,4 +269,5 @@ def tail_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) ->
     Where the background is sure of one token, the plausible set is that token alone, and an expert may raise the
     whole tail by a few nats unseen by KL and by ``plausible_log_ratio``; k such experts add their rises in a
     composition. The spread tokens stand for the tail, which then weighs as much as the plausible tokens."""
-    return _log_ratio_variance_over(lp_i, lp_b, _plausible(lp_i, lp_b) | _vocabulary_spread(lp_b, TAIL_TOKENS))
+    tokens = _plausible(lp_i, lp_b).scatter_(-1, _vocabulary_spread(lp_b, TAIL_TOKENS), True)
+    return _log_ratio_variance_over(lp_i, lp_b, tokens)

@@ -173,8 +173,8 @@ def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, l
 
 def _log_ratios(names: list[str], lp_e: torch.Tensor, lp_b: torch.Tensor, ref: int, top: int) -> dict:
     """Each expert's log-ratio log p_i − log p_b at one position (`lp_e`: `[k, V]`): at the reference token, at the
-    composition's top token, and its median over the vocabulary (where the bulk of the tail sits: a median far
-    below 0 is an expert sharper than the background everywhere, not against one token)."""
+    composition's top token, and its median over the vocabulary (where the bulk of the tail sits: a median above 0
+    is an expert flatter than the background, raising the whole tail rather than one token; below 0, sharper)."""
     r = lp_e - lp_b
     return {n: {"reference": round(float(r[i, ref]), 2), "top": round(float(r[i, top]), 2),
                 "median": round(float(r[i].median()), 2)} for i, n in enumerate(names)}
