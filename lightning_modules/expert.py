@@ -114,8 +114,9 @@ class ExpertSettings:
         position_jump: 0, or the largest random jump of each training row's position ids, for the expert and its
             background alike (`lightning_modules.background.training_position_ids`).
         loss_chunk_size: None: the training losses take the full `[B, T, V]` logits. An integer `c`: they are
-            computed `c` positions at a time from the models' final hidden states, each block's logits recomputed
-            in backward (`losses.chunked`): the same losses, with ~`B·c·V` logits held instead of `B·T·V`.
+            computed from the models' final hidden states at the positions they count only (no prompt position
+            reaches a head), `B·c` positions at a time, each block's logits recomputed in backward
+            (`losses.chunked`): the same losses, with ~`B·c·V` logits held instead of `B·T·V`.
     """
 
     mode: Mode = "lora"
@@ -420,7 +421,7 @@ class ExpertLM(pl.LightningModule):
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             # peft's `adapter_names=` holds only for one forward; the hooks stay for the head's own check too
             with eval_mode(self.model), peft_adapter_names(self.model, adapter_names):
-                head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
+                head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids, per_row=False)
             rows = torch.arange(len(adapter_names), device=input_ids.device)
             return [(rows, _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), adapter_names), hidden)]
         out = []
@@ -439,7 +440,7 @@ class ExpertLM(pl.LightningModule):
             with eval_mode(self.background):
                 return _split_head(self.background, input_ids, attention_mask, position_ids)
         with self._adapters_disabled():
-            head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
+            head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids, per_row=False)
         # a LoRA-wrapped head, called later on its own, is the background's under peft's "__base__" name
         base = ["__base__"] * input_ids.shape[0]
         return _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), base), hidden
@@ -713,28 +714,31 @@ def _mean(row_sums: Tensor, row_counts: Tensor) -> Tensor:
     return row_sums.sum() / row_counts.sum().clamp_min(1)
 
 
-def _head_with_adapter_names(head: Head, module: nn.Module, adapter_names: list[str]) -> Head:
-    """`head`, with `adapter_names` passed to its output layer `module` when peft wrapped it (`lm_head` among the
-    LoRA targets): each block's call, and its recomputation in backward, come after the body's forward."""
+def _head_with_adapter_names(head: Callable[[Tensor], Tensor], module: nn.Module, adapter_names: list[str]) -> Head:
+    """`head` as a `losses.chunked.Head`, with each position's row's name of `adapter_names` passed to its output
+    layer `module` when peft wrapped it (`lm_head` among the LoRA targets): each block's call, and its
+    recomputation in backward, come after the body's forward."""
     if not any(isinstance(m, LoraLayer | AuxiliaryTrainingWrapper) for m in module.modules()):
-        return head
+        return lambda hidden, rows: head(hidden)
 
-    def call(hidden: Tensor) -> Tensor:
-        with peft_adapter_names(module, adapter_names):
+    def call(hidden: Tensor, rows: Tensor) -> Tensor:
+        with peft_adapter_names(module, [adapter_names[i] for i in rows.tolist()]):
             return head(hidden)
 
     return call
 
 
-def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                position_ids: Tensor | None) -> tuple[Head, Tensor]:
-    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.heads.hidden_and_head`)."""
+def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
+                per_row: bool = True) -> tuple[Any, Tensor]:
+    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.heads.hidden_and_head`): the head
+    as a `losses.chunked.Head` (`per_row`), else as `head(hidden)`."""
     pair = hidden_and_head(model, input_ids, attention_mask, position_ids)
     if pair is None:
         raise ValueError(f"loss_chunk_size: the output head of {type(model).__name__} cannot be run on its own "
                          "(see compose.heads.hidden_and_head; a model inside a wrapper such as FSDP's has no "
                          "get_output_embeddings): set loss_chunk_size=None")
-    return pair
+    head, hidden = pair
+    return ((lambda h, rows: head(h)) if per_row else head), hidden
 
 
 def task_targets(batch: dict[str, Tensor], on_mask_only: bool = False) -> Tensor:

@@ -2,9 +2,10 @@
 
 `task_nll` and `off_mask_divergence` take `[B, T, V]` logits of the expert and of the background: at a large
 vocabulary and long rows those, their float32 log-softmaxes and their gradient are the peak of a training step.
-Here the models' bodies run once (the inputs of their output heads, `[B, T, d]`); each block of `chunk` positions
-then runs the heads and sums its positions' losses under `torch.utils.checkpoint`, so that backward recomputes a
-block's logits instead of keeping them: at most ~`B·chunk·V` logits (and their temporaries) exist at a time.
+Here the models' bodies run once (the inputs of their output heads, `[B, T, d]`); the positions some loss counts
+are gathered (a prompt's positions never reach a head), and each block of `B·chunk` of them runs the heads and sums
+its positions' losses under `torch.utils.checkpoint`, so that backward recomputes a block's logits instead of
+keeping them: at most ~`B·chunk·V` logits (and their temporaries) exist at a time.
 
 Sums are kept per row (`[terms, B]`): a loss is a sum over rows divided by a count of positions, as the plain
 functions normalise, and per-expert metrics are sums over that expert's rows.
@@ -22,7 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from losses.divergences import divergence
 
-Head = Callable[[Tensor], Tensor]  # an output head: hidden states [B, c, d] -> logits [B, c, V]
+Head = Callable[[Tensor, Tensor], Tensor]
+"""An output head: `head(hidden [n, c, d], rows [n])` -> logits `[n, c, V]`; `rows` says which row of the batch
+each of the `n` came from (a head that differs per row, a LoRA-wrapped one under mixed adapters, needs it)."""
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,10 @@ class RowSum:
     temperature: float = 1.0
     grad: bool = True
 
-    def part(self, rows: Tensor | None = None, block: slice | None = None) -> RowSum:
-        """The term restricted to `rows` (an index tensor) and to the positions of `block`."""
+    def part(self, rows: Tensor) -> RowSum:
+        """The term restricted to `rows` (an index tensor)."""
         def pick(t: Tensor | None) -> Tensor | None:
-            if t is not None and rows is not None:
-                t = t[rows]
-            return t if t is None or block is None else t[:, block]
+            return None if t is None else t[rows]
 
         return replace(self, positions=pick(self.positions), targets=pick(self.targets), weight=pick(self.weight))
 
@@ -73,41 +74,55 @@ def row_sums(expert_logits: Tensor, background_logits: Tensor | None, terms: Seq
 
 def chunked_row_sums(expert_head: Head, expert_hidden: Tensor, background_head: Head | None,
                      background_hidden: Tensor | None, terms: Sequence[RowSum], chunk: int) -> Tensor:
-    """`row_sums` of the logits `expert_head(expert_hidden)` (and the background's), block by block of `chunk`
-    positions, each block under a non-reentrant checkpoint (backward runs its heads again).
+    """`row_sums` of the logits `expert_head(expert_hidden)` (and the background's), computed only at the positions
+    some term counts, `B·chunk` of them at a time, each block under a non-reentrant checkpoint (backward runs its
+    heads again).
+
+    The heads see only the counted positions: the prompt's positions and the padding (most of a row whose answer
+    is one line) never reach them. Gathered, each position is a row of one position to `row_sums`, and its sums go
+    back to its row.
 
     Args:
         expert_head, expert_hidden: the expert's output head and its input `[B, T, d]` (gradients flow to both).
         background_head, background_hidden: the background's (run without a graph), or None when no term is a
             divergence.
         terms: the quantities to sum, their tensors `[B, T]`.
-        chunk: positions per block (>= 1).
+        chunk: positions per row per block (>= 1): a block holds the logits of `B·chunk` positions.
 
     Returns:
         float32 `[len(terms), B]`.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of positions, got {chunk}")
-    length = expert_hidden.shape[1]
-    used = torch.stack([t.positions for t in terms]).any(0).any(0).tolist()  # [T]: any term counts here
-    blocks = [slice(s, min(s + chunk, length)) for s in range(0, length, chunk)]
-    # A block with no counted position adds nothing: skip it, but keep one so that the sums stay attached to the
-    # graph (zero gradients, as the plain losses' zeros give) when no position counts at all.
-    blocks = [b for b in blocks if any(used[b])] or blocks[:1]
+    batch = expert_hidden.shape[0]
+    rows, cols = torch.stack([t.positions for t in terms]).any(0).nonzero(as_tuple=True)
+    if rows.numel() == 0:  # nothing counts: one position keeps the sums attached to the graph (zero gradients)
+        rows = cols = rows.new_zeros(1)
     total = None
-    for block in blocks:
-        background = None if background_hidden is None else background_hidden[:, block]
-        sums = checkpoint(_block_row_sums, expert_head, background_head, expert_hidden[:, block], background,
-                          [t.part(block=block) for t in terms], use_reentrant=False)
-        total = sums if total is None else total + sums
+    step = batch * chunk
+    for s in range(0, rows.numel(), step):
+        r, c = rows[s:s + step], cols[s:s + step]
+        background = None if background_hidden is None else background_hidden[r, c].unsqueeze(1)
+        sums = checkpoint(_block_row_sums, expert_head, background_head, expert_hidden[r, c].unsqueeze(1),
+                          background, r, [_gathered(t, r, c) for t in terms], use_reentrant=False)
+        part = sums.new_zeros(len(terms), batch).index_add(1, r, sums)
+        total = part if total is None else total + part
     return total
 
 
+def _gathered(term: RowSum, rows: Tensor, cols: Tensor) -> RowSum:
+    """`term` at the positions `(rows[j], cols[j])`, each one a row of one position (`[n, 1]` tensors)."""
+    def pick(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[rows, cols].unsqueeze(1)
+
+    return replace(term, positions=pick(term.positions), targets=pick(term.targets), weight=pick(term.weight))
+
+
 def _block_row_sums(expert_head: Head, background_head: Head | None, expert_hidden: Tensor,
-                    background_hidden: Tensor | None, terms: Sequence[RowSum]) -> Tensor:
+                    background_hidden: Tensor | None, rows: Tensor, terms: Sequence[RowSum]) -> Tensor:
     """One block's `row_sums`, from the heads' inputs (what the checkpoint runs, and runs again in backward)."""
     background = None
     if background_hidden is not None:
         with torch.no_grad():  # the background is a constant of the loss
-            background = background_head(background_hidden)
-    return row_sums(expert_head(expert_hidden), background, terms)
+            background = background_head(background_hidden, rows)
+    return row_sums(expert_head(expert_hidden, rows), background, terms)

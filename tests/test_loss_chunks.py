@@ -10,6 +10,7 @@ import torch
 from lightning_modules.expert import ExpertLM, ExpertSettings
 from lightning_modules.pipeline.config import ConfigError, load_config
 from losses import IGNORE_INDEX
+from losses.chunked import RowSum, chunked_row_sums, row_sums
 from tests.tiny_models import VOCAB, tiny_model
 
 DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
@@ -120,6 +121,29 @@ def test_chunked_losses_stay_attached_when_no_position_counts():
     m = module()
     loss, grads, _ = step(m, 4, data)
     assert loss == 0 and grads and all((g == 0).all() for g in grads.values())
+
+
+def test_chunked_heads_see_only_the_counted_positions():
+    """Prompt and padding positions never reach an output head: the heads run on the positions some term counts,
+    and the sums equal those of the full logits."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, T, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, generator=gen)
+    seen = []
+
+    def head(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        seen.append(h.shape[:-1].numel())
+        return h @ weight.T
+
+    counted = torch.rand(B, T, generator=gen) < 0.3
+    targets = torch.randint(VOCAB, (B, T), generator=gen)
+    terms = [RowSum(counted, targets), RowSum(counted & (targets % 2 == 0), divergence="forward_kl")]
+    sums = chunked_row_sums(head, hidden, head, hidden.detach() + 0.5, terms, chunk=2)
+    sums.sum().backward()
+    # forward: the expert's head and the background's; backward recomputes both (the block's checkpoint)
+    assert sum(seen) == 4 * int(counted.sum()) < 4 * B * T
+    full = row_sums(hidden @ weight.T, (hidden.detach() + 0.5) @ weight.T, terms)
+    torch.testing.assert_close(sums, full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
