@@ -421,7 +421,7 @@ class ExpertLM(pl.LightningModule):
             adapter_names = [self.names[i] for i in expert_index.tolist()]
             # peft's `adapter_names=` holds only for one forward; the hooks stay for the head's own check too
             with eval_mode(self.model), peft_adapter_names(self.model, adapter_names):
-                head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids, per_row=False)
+                head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
             rows = torch.arange(len(adapter_names), device=input_ids.device)
             return [(rows, _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), adapter_names), hidden)]
         out = []
@@ -429,7 +429,8 @@ class ExpertLM(pl.LightningModule):
             rows = (expert_index == i).nonzero(as_tuple=True)[0]
             if rows.numel():
                 positions = None if position_ids is None else position_ids[rows]
-                out.append((rows, *_split_head(self.experts[name], input_ids[rows], attention_mask[rows], positions)))
+                head, hidden = _split_head(self.experts[name], input_ids[rows], attention_mask[rows], positions)
+                out.append((rows, _rows_ignored(head), hidden))
         return out
 
     @torch.no_grad()
@@ -438,9 +439,10 @@ class ExpertLM(pl.LightningModule):
         """`(output head, its input [B, T, d])` of the background, as `background_logits` runs it."""
         if self.settings.mode != "lora":
             with eval_mode(self.background):
-                return _split_head(self.background, input_ids, attention_mask, position_ids)
+                head, hidden = _split_head(self.background, input_ids, attention_mask, position_ids)
+            return _rows_ignored(head), hidden
         with self._adapters_disabled():
-            head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids, per_row=False)
+            head, hidden = _split_head(self.model, input_ids, attention_mask, position_ids)
         # a LoRA-wrapped head, called later on its own, is the background's under peft's "__base__" name
         base = ["__base__"] * input_ids.shape[0]
         return _head_with_adapter_names(head, self.peft_model.get_output_embeddings(), base), hidden
@@ -719,7 +721,7 @@ def _head_with_adapter_names(head: Callable[[Tensor], Tensor], module: nn.Module
     layer `module` when peft wrapped it (`lm_head` among the LoRA targets): each block's call, and its
     recomputation in backward, come after the body's forward."""
     if not any(isinstance(m, LoraLayer | AuxiliaryTrainingWrapper) for m in module.modules()):
-        return lambda hidden, rows: head(hidden)
+        return _rows_ignored(head)
 
     def call(hidden: Tensor, rows: Tensor) -> Tensor:
         with peft_adapter_names(module, [adapter_names[i] for i in rows.tolist()]):
@@ -728,17 +730,20 @@ def _head_with_adapter_names(head: Callable[[Tensor], Tensor], module: nn.Module
     return call
 
 
-def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
-                per_row: bool = True) -> tuple[Any, Tensor]:
-    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.heads.hidden_and_head`): the head
-    as a `losses.chunked.Head` (`per_row`), else as `head(hidden)`."""
+def _rows_ignored(head: Callable[[Tensor], Tensor]) -> Head:
+    """`head(hidden)` as a `losses.chunked.Head`: the same for every row."""
+    return lambda hidden, rows: head(hidden)
+
+
+def _split_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                position_ids: Tensor | None) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """`(output head, its input [B, T, d])` of one forward of `model` (`compose.heads.hidden_and_head`)."""
     pair = hidden_and_head(model, input_ids, attention_mask, position_ids)
     if pair is None:
         raise ValueError(f"loss_chunk_size: the output head of {type(model).__name__} cannot be run on its own "
                          "(see compose.heads.hidden_and_head; a model inside a wrapper such as FSDP's has no "
                          "get_output_embeddings): set loss_chunk_size=None")
-    head, hidden = pair
-    return ((lambda h, rows: head(h)) if per_row else head), hidden
+    return pair
 
 
 def task_targets(batch: dict[str, Tensor], on_mask_only: bool = False) -> Tensor:

@@ -98,15 +98,14 @@ def chunked_row_sums(expert_head: Head, expert_hidden: Tensor, background_head: 
     rows, cols = torch.stack([t.positions for t in terms]).any(0).nonzero(as_tuple=True)
     if rows.numel() == 0:  # nothing counts: one position keeps the sums attached to the graph (zero gradients)
         rows = cols = rows.new_zeros(1)
-    total = None
+    total = expert_hidden.new_zeros(len(terms), batch, dtype=torch.float32)
     step = batch * chunk
     for s in range(0, rows.numel(), step):
         r, c = rows[s:s + step], cols[s:s + step]
         background = None if background_hidden is None else background_hidden[r, c].unsqueeze(1)
         sums = checkpoint(_block_row_sums, expert_head, background_head, expert_hidden[r, c].unsqueeze(1),
                           background, r, [_gathered(t, r, c) for t in terms], use_reentrant=False)
-        part = sums.new_zeros(len(terms), batch).index_add(1, r, sums)
-        total = part if total is None else total + part
+        total = total.index_add(1, r, sums)
     return total
 
 
