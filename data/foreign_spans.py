@@ -55,8 +55,11 @@ def random_content(rng: random.Random) -> str:
     return " ".join(words)
 
 
-def _boundaries(text: str, own: IntervalSpec) -> list[int]:
-    """Indices of the spaces of `text` that lie outside every interval of `own` (delimiters included)."""
+def _boundaries(text: str, own: IntervalSpec | None) -> list[int]:
+    """Indices of the spaces of `text` that lie outside every interval of `own` (delimiters included; every space
+    when `own` is None)."""
+    if own is None:
+        return [i for i, ch in enumerate(text) if ch == " "]
     spans = interval_char_spans(text, own)
     starts = [a - _start_length(text, a, own) for a, _ in spans]
     return [i for i, ch in enumerate(text) if ch == " "
@@ -76,14 +79,15 @@ def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, 
     return [(a + by * (a > at), b + by * (b > at)) for a, b in spans]
 
 
-def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: random.Random,
+def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, rng: random.Random,
                          n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None
                          ) -> tuple[str, str, list[tuple[int, int]]]:
     """`(prompt, response, spans)` with up to `n_spans` random foreign spans inserted (fewer when the response has
-    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)`. `spans`: for each
+    fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)` (the whole
+    `DELIMITER_POOL` when `own` is None: rows for the background, which owns no interval). `spans`: for each
     span, sorted, `(start, end)` in the new response: the index of its start delimiter's first character and of the
     first character after its end delimiter (where the text goes on once the foreign span has closed)."""
-    pairs = list(pool) if pool is not None else delimiter_pool(own)
+    pairs = list(pool) if pool is not None else list(DELIMITER_POOL) if own is None else delimiter_pool(own)
     if not pairs:
         raise ValueError(f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
     spans: list[tuple[int, int]] = []
@@ -97,7 +101,7 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec, rng: ran
         written = content if rng.random() < 0.5 else random_content(rng)
         before = response[:at]
         new_response = f"{before} {start}{written}{end}{response[at:]}"
-        if interval_char_spans(new_response, own) != _shifted(interval_char_spans(response, own), at,
+        if own is not None and interval_char_spans(new_response, own) != _shifted(interval_char_spans(response, own), at,
                                                               len(new_response) - len(response)):
             continue  # the span would have touched the expert's own intervals (a regex delimiter matched it)
         if before and before in prompt:  # the echoed sentence in the prompt gets the span where it stands

@@ -65,6 +65,29 @@ def test_no_boundary_outside_the_own_interval_leaves_the_text():
     assert insert_foreign_spans("x", "[a b c]", UPPER_SPEC, random.Random(0)) == ("x", "[a b c]", [])
 
 
+def test_without_an_own_interval_spans_may_use_every_pair_of_the_pool():
+    rng = random.Random(0)
+    response = "Tom sold <<47+8=55>> cups to Ben today."
+    used = set()
+    for _ in range(300):
+        _, r, spans = insert_foreign_spans("Repeat: " + response, response, None, rng, n_spans=1)
+        assert len(spans) == 1 and r != response
+        used |= {(x, y) for x, y in DELIMITER_POOL if r[spans[0][0]:spans[0][1]].startswith(x)
+                 and r[spans[0][0]:spans[0][1]].endswith(y)}
+    assert ("<<", ">>") in used and ("[", "]") in used  # pairs any expert may own are in the draws
+
+
+def test_background_spans_add_a_spanned_copy_of_each_general_training_row(tok):
+    plain = make_task(tok).background_dataset("train")["y"]
+    t = make_task(tok, config(background_spans=True))
+    spanned = t.background_dataset("train")["y"]
+    assert spanned[: len(plain)] == plain  # the general rows first, as without
+    extra = spanned[len(plain):]
+    assert 0 < len(extra) <= len(plain) and all(spans_of_pool(y) for y in extra)
+    assert t.background_dataset("val")["y"] == make_task(tok).background_dataset("val")["y"]  # held out: plain
+    assert make_task(tok, config(background_spans=True)).background_dataset("train")["y"] == spanned  # seeded
+
+
 # --- own+foreign rows ---------------------------------------------------------------------------------
 def test_foreign_rows_are_built_from_own_and_general_rows_with_foreign_spans(tok):
     t = make_task(tok, reg_data="own+foreign")

@@ -97,6 +97,28 @@ def test_pretrained_folder_with_a_padded_embedding_table_is_accepted(tmp_path):
     assert not (tmp_path / "nope").exists()
 
 
+def test_a_pretrained_background_tuned_on_spanned_rows_is_a_folder_later_runs_can_name_alone(tmp_path):
+    """`model.pretrained_path` + `task.background_spans`: the pipeline fine-tunes the pretrained model on the general
+    rows and their spanned copies and saves it with its tokenizer, so `background.path` alone names it."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE / "tokenizer")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "pretrained")
+    first = tmp_path / "first"
+    proc = train(TEXT, *FAST, f"model.pretrained_path={tmp_path / 'pretrained'}", "task.background_spans=true",
+                 "background.corruption_prob=0", f"output_dir={first}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (first / "background/tokenizer.json").is_file() and (first / "background/model.safetensors").is_file()
+    second = tmp_path / "second"
+    proc = train(TEXT, *FAST, "task.tokenizer=null", f"background.path={first / 'background'}",
+                 f"output_dir={second}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((second / "summary.json").read_text())["composition"]["k"] == 2
+
+
 @pytest.mark.parametrize("override, expected", [
     ("experts.0.data=[tests/fixtures/text/missing.jsonl]", "missing.jsonl"),
     ("experts.0.interval.start=<<<", "<<<"),

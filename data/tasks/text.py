@@ -91,6 +91,11 @@ class TextConfig:
         foreign_spans: `[min, max]`: each `own+foreign` regularizer row gets a number of random foreign spans
             drawn uniformly from this range (fewer where the response has fewer word boundaries). Raise `max`
             towards the number of other skills a composed row holds, so the expert meets as many spans as there.
+        background_spans: the background's training rows are the general rows and, besides each, the same row
+            with random foreign spans from the whole delimiter pool (`task.foreign_spans` of them; contents kept or
+            redrawn in the response): a background tuned to the rows' format, spans included, so that no expert
+            has to learn that part on its own (docs/real_models.md). Like every `background.*` training setting, it
+            does nothing when `background.path` names an existing background.
         cross_eval: also decode the background and each expert alone on the compositional rows of the split
             (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
             and the background on every expert's held-out rows (`<expert>/skill_accuracy`): every model's
@@ -112,6 +117,7 @@ class TextConfig:
     eval_limit: int | None = None
     trust_remote_code: bool = False
     foreign_spans: list[int] = field(default_factory=lambda: [1, 2])
+    background_spans: bool = False
     cross_eval: bool = False
 
     def __post_init__(self) -> None:
@@ -564,8 +570,13 @@ class TextTask(Task):
 
     def background_dataset(self, split: str) -> datasets.Dataset:
         check_split(split, SPLITS)
-        return self._cached(("background", split),
-                            lambda: rows_to_dataset([make_row(enc, [], self.eos) for enc in self.general[split]]))
+        def rows() -> datasets.Dataset:
+            general = list(self.general[split])
+            if split == "train" and self.cfg.background_spans:
+                general += self._spanned(general, None, derive_seed(self.seed, "text", "background spans"))
+            return rows_to_dataset([make_row(enc, [], self.eos) for enc in general])
+
+        return self._cached(("background", split), rows)
 
     def expert_dataset(self, split: str) -> datasets.Dataset:
         check_split(split, SPLITS)
@@ -623,18 +634,26 @@ class TextTask(Task):
     def _foreign_examples(self, name: str, spec: IntervalSpec, n: int) -> list[tuple[Encoded, bool]]:
         """`n` rows with random foreign spans (`data.foreign_spans`), from general and own training rows in turn
         (seeded by the run's seed and the expert's name); `(row, from its own rows)`."""
-        rng = random.Random(derive_seed(self.seed, "text", "foreign", name))
         general = self._regularizer_examples(name, (n + 1) // 2, self.general["train"])
         own = self._regularizer_examples(name, n // 2, self.own[name]["train"])
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
+        encoded = self._spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name),
+                                keep_all=True)
+        return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
+                if len(enc) <= self.cfg.max_length]
+
+    def _spanned(self, rows: Sequence[Encoded], own: IntervalSpec | None, seed: int,
+                 keep_all: bool = False) -> list[Encoded]:
+        """`rows` with random foreign spans (`data.foreign_spans`; `own`: the expert's interval they keep clear of,
+        None for the background), re-encoded; rows that grew past `task.max_length` are dropped unless `keep_all`."""
+        rng = random.Random(seed)
         examples = []
-        for enc, _ in sources:
-            prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, spec, rng,
+        for enc in rows:
+            prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, own, rng,
                                                            n_spans=rng.randint(*self.cfg.foreign_spans))
             examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         encoded = encode_examples(self._tokenizer, examples)
-        return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
-                if len(enc) <= self.cfg.max_length]
+        return encoded if keep_all else [enc for enc in encoded if len(enc) <= self.cfg.max_length]
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
         check_split(split, EVAL_SPLITS)

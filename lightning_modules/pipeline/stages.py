@@ -439,8 +439,15 @@ def background_stage(cfg: DictConfig, plan: Plan) -> Path:
     trainer = make_trainer(with_logging_interval(cfg, dm, b.max_steps), plan.out, "background", b.max_steps, [])
     _fit(trainer, module, dm, cfg, plan.out, "background")
     merge_factored_head(model)  # a factored head is saved as the plain weight it computes
+    tokenizer = plan.tokenizer if cfg.model.pretrained_path else None  # a fine-tuned pretrained model keeps its own
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:  # so that `background.path` can name this folder alone
+            tokenizer.save_pretrained(tmp)
+
     if is_leader():
-        atomic_save(lambda tmp: model.save_pretrained(tmp, safe_serialization=True), path)
+        atomic_save(save, path)
     barrier()  # every rank loads the experts' background from `path`
     return path
 
