@@ -94,8 +94,8 @@ class TextConfig:
         background_spans: the background's training rows are the general rows and, besides each, the same row
             with random foreign spans from the whole delimiter pool (`task.foreign_spans` of them; contents kept or
             redrawn in the response): a background tuned to the rows' format, spans included, so that no expert
-            has to learn that part on its own (docs/real_models.md). Like every `background.*` training setting, it
-            does nothing when `background.path` names an existing background.
+            has to learn that part on its own (docs/own_models_and_data.md). Like every `background.*` training
+            setting, it does nothing when `background.path` names an existing background.
         cross_eval: also decode the background and each expert alone on the compositional rows of the split
             (`compositional/exact_match`, `compositional/<expert>/skill_accuracy`, `compositional/off_interval_kl`)
             and the background on every expert's held-out rows (`<expert>/skill_accuracy`): every model's
