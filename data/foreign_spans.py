@@ -89,7 +89,8 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, r
     first character after its end delimiter (where the text goes on once the foreign span has closed)."""
     pairs = list(pool) if pool is not None else list(DELIMITER_POOL) if own is None else delimiter_pool(own)
     if not pairs:
-        raise ValueError(f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
+        raise ValueError("no delimiter pair to draw from: the pool is empty" if own is None else
+                         f"no delimiter pair of the pool is free of the expert's own ({own.start!r}, {own.end!r})")
     spans: list[tuple[int, int]] = []
     for _ in range(n_spans):
         spaces = _boundaries(response, own)
@@ -101,8 +102,8 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, r
         written = content if rng.random() < 0.5 else random_content(rng)
         before = response[:at]
         new_response = f"{before} {start}{written}{end}{response[at:]}"
-        if own is not None and interval_char_spans(new_response, own) != _shifted(interval_char_spans(response, own), at,
-                                                              len(new_response) - len(response)):
+        if own is not None and interval_char_spans(new_response, own) != _shifted(
+                interval_char_spans(response, own), at, len(new_response) - len(response)):
             continue  # the span would have touched the expert's own intervals (a regex delimiter matched it)
         if before and before in prompt:  # the echoed sentence in the prompt gets the span where it stands
             prompt = prompt.replace(before + " ", f"{before} {start}{content}{end} ")
