@@ -11,7 +11,7 @@ from torch import Tensor
 from losses import IGNORE_INDEX
 
 # Columns with one integer per token besides input_ids/targets/masks (padded with 0 to [B, T]).
-PER_TOKEN_COLUMNS = ("after_close", "inside_foreign")
+PER_TOKEN_COLUMNS = ("after_close", "inside_foreign", "at_open")
 CorruptionRate = float | Sequence[float]  # a rate, or (low, high): a rate per row drawn uniformly in that range
 
 

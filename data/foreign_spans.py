@@ -61,12 +61,12 @@ def _boundaries(text: str, own: IntervalSpec | None) -> list[int]:
     if own is None:
         return [i for i, ch in enumerate(text) if ch == " "]
     spans = interval_char_spans(text, own)
-    starts = [a - _start_length(text, a, own) for a, _ in spans]
+    starts = [a - start_delimiter_length(text, a, own) for a, _ in spans]
     return [i for i, ch in enumerate(text) if ch == " "
             and not any(s <= i < b for s, (_, b) in zip(starts, spans, strict=True))]
 
 
-def _start_length(text: str, a: int, own: IntervalSpec) -> int:
+def start_delimiter_length(text: str, a: int, own: IntervalSpec) -> int:
     """Characters of the start delimiter that ends at `a` (its literal length; a regex start: back to the
     previous space)."""
     if not own.regex:

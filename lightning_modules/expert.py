@@ -54,6 +54,8 @@ REGULARIZERS: tuple[str, ...] = get_args(Regularizer)
 _ANY = object()  # a reference to a setting that names no value
 _TOP_LAYERS = re.compile(r"top_[1-9][0-9]*")
 HEAD_MODULES = ("lm_head",)  # LoRA targets that name the output head, which no decoder layer holds
+# Regularizer weights of marked positions -> the training rows' column that marks them (the text task's).
+SPAN_WEIGHTS = {"reg_after_close": "after_close", "reg_inside_foreign": "inside_foreign", "reg_at_open": "at_open"}
 
 
 def setting_name(name: str | None, value: Any = _ANY) -> str:
@@ -98,6 +100,9 @@ class ExpertSettings:
         reg_inside_foreign: how many times the regularizer counts a position inside a random foreign span of its
             regularizer rows (`inside_foreign` column, text task; 1: as any other): there another expert is active
             in a composition, and this expert's drift is multiplied into that expert's choice.
+        reg_at_open: how many times the regularizer counts the position predicting the token that opens an
+            interval, the expert's own or a foreign span of its regularizer rows (`at_open` column, text task; 1: as
+            any other): experts that each lower an opening a little keep another expert's interval from being written.
         divergence, jsd_beta, temperature: the divergence `D`, a name in `losses.DIVERGENCES`.
         task_loss_on_mask_only: score the task NLL on mask positions only.
         lr, weight_decay, warmup_ratio, max_steps: AdamW and its warm-up/cosine schedule.
@@ -127,6 +132,7 @@ class ExpertSettings:
     reg_weight: float = 3.0
     reg_after_close: float = 1.0
     reg_inside_foreign: float = 1.0
+    reg_at_open: float = 1.0
     divergence: str = "forward_kl"
     jsd_beta: float = 0.5
     temperature: float = 3.0
@@ -161,7 +167,7 @@ class ExpertSettings:
         """The settings that do not go together, each rule once."""
         chunk, cache, none = ("loss_chunk_size",), ("background_top_k",), (None, None)
         self._check_layers()
-        for key in ("reg_after_close", "reg_inside_foreign"):
+        for key in SPAN_WEIGHTS:
             weight = getattr(self, key)
             if weight < 0:
                 raise SettingsError("{weight} must be >= 0 (1 weighs those positions as any other)",
@@ -561,9 +567,10 @@ class ExpertLM(pl.LightningModule):
 
     def _position_weight(self, batch: dict[str, Tensor]) -> Tensor | None:
         """The regularizer's weight per position: `reg_after_close` right after an interval closes,
-        `reg_inside_foreign` inside a foreign span, else 1 (the two added where both hold); None when both are 1."""
+        `reg_inside_foreign` inside a foreign span, `reg_at_open` where a span opens, else 1 (the excesses over 1
+        added where several hold); None when all are 1."""
         weight = None
-        for key, column in (("reg_after_close", "after_close"), ("reg_inside_foreign", "inside_foreign")):
+        for key, column in SPAN_WEIGHTS.items():
             w = getattr(self.settings, key)
             if w == 1:
                 continue

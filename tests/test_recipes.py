@@ -149,6 +149,29 @@ def test_inside_foreign_marks_the_tokens_of_each_foreign_span(tok):
         assert len(text) < len(row["y"]) and set(text) & pool_chars
 
 
+def test_at_open_marks_the_token_that_opens_each_own_and_foreign_span(tok):
+    t = make_task(tok, reg_data="own+foreign")
+    rows = t.expert_dataset("train")
+    for row in rows:
+        spec = (CALC_SPEC, UPPER_SPEC)[row["expert_index"]]
+        opens, start = row["at_open"], row["output_start"]
+        assert len(opens) == len(row["input_ids"]) and set(opens) <= {0, 1}
+        marked = [i for i, a in enumerate(opens) if a]
+        assert all(start - 1 <= i < start - 1 + row["output_len"] and not row["masks"][0][i] for i in marked)
+        # the text from each marked position's token on begins with a start delimiter: the own one or one of the pool
+        texts = [tok.decode(row["input_ids"][i + 1:start + row["output_len"]]).lstrip() for i in marked]
+        starts = [spec.start] + [a for a, _ in DELIMITER_POOL]
+        assert all(any(x.startswith(s) for s in starts) for x in texts), texts
+        n_own = len(interval_char_spans(row["y"], spec))
+        if row["is_task"] == 1:  # an own row: one mark per interval; from it to where the mask opens, the delimiter
+            mask = row["masks"][0]
+            opened = [next(j for j in range(i, len(mask)) if mask[j]) for i in marked]
+            assert len(marked) == n_own and all(
+                tok.decode(row["input_ids"][i + 1:j + 1]).strip() == spec.start for i, j in zip(marked, opened))
+        else:  # a regularizer row also marks each foreign span (two may open in one token)
+            assert len(marked) >= n_own + 1
+
+
 def test_position_weights_of_both_kinds_add():
     from lightning_modules.expert import ExpertLM, ExpertSettings
 
@@ -159,9 +182,12 @@ def test_position_weights_of_both_kinds_add():
     assert weight(SimpleNamespace(settings=ExpertSettings()), batch) is None
     with pytest.raises(ValueError, match="reg_inside_foreign needs training rows that mark those positions"):
         weight(SimpleNamespace(settings=ExpertSettings(reg_inside_foreign=2.0)), {"after_close": batch["after_close"]})
+    three = SimpleNamespace(settings=ExpertSettings(reg_after_close=3.0, reg_inside_foreign=5.0, reg_at_open=10.0))
+    assert weight(three, batch | {"at_open": torch.tensor([[1, 0, 1, 0]])}).tolist() == [[12.0, 5.0, 10.0, 7.0]]
 
 
-@pytest.mark.parametrize("key,column", [("reg_after_close", "after_close"), ("reg_inside_foreign", "inside_foreign")])
+@pytest.mark.parametrize("key,column", [("reg_after_close", "after_close"), ("reg_inside_foreign", "inside_foreign"),
+                                        ("reg_at_open", "at_open")])
 def test_a_training_step_weighs_the_marked_positions(tok, key, column):
     """The text task's rows through its collator into ExpertLM: `reg_after_close` (`reg_inside_foreign`) raises
     the regularizer by the marked positions' divergence, and 1 leaves it as it was."""
@@ -187,7 +213,7 @@ def test_a_training_step_weighs_the_marked_positions(tok, key, column):
     assert plain > 0 and weighted > plain * 1.05
 
 
-@pytest.mark.parametrize("key", ["reg_after_close", "reg_inside_foreign"])
+@pytest.mark.parametrize("key", ["reg_after_close", "reg_inside_foreign", "reg_at_open"])
 def test_bad_position_weights_are_refused_naming_the_key(key):
     from lightning_modules.expert import ExpertSettings
 
@@ -201,7 +227,7 @@ def test_bad_position_weights_are_refused_naming_the_key(key):
 
 
 @pytest.mark.parametrize("key,marks", [("reg_after_close", "where intervals close"),
-                                       ("reg_inside_foreign", "foreign spans")])
+                                       ("reg_inside_foreign", "foreign spans"), ("reg_at_open", "where spans open")])
 def test_span_weights_need_a_task_that_marks_the_spans(tmp_path, key, marks):
     """The letters task marks no spans: refused before anything is trained or written."""
     from lightning_modules.pipeline.stages import plan_run

@@ -126,7 +126,7 @@ class Task(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type]
     extra_reg_data: ClassVar[tuple[str, ...]] = ()  # the kinds of TASK_REG_DATA this task makes
-    marks_span_positions: ClassVar[bool] = False  # expert rows carry `after_close` and `inside_foreign` (the reg_* weights)
+    marks_span_positions: ClassVar[bool] = False  # expert rows carry `after_close`, `inside_foreign`, `at_open` (the reg_* weights)
 
     def __init__(self, cfg: Any, experts: Sequence[Expert], *, trained: Sequence[str] | None = None,
                  reg_data: str = "own", seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None,

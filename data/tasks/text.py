@@ -37,7 +37,7 @@ from compose.intervals import IntervalSpec, check_balanced, interval_char_spans,
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
-from data.foreign_spans import insert_foreign_spans
+from data.foreign_spans import insert_foreign_spans, start_delimiter_length
 from data.generation import greedy_decode
 from data.rows import DataFileError, one_line, read_rows
 from data.splits import derive_seed
@@ -284,8 +284,8 @@ def response_mask(enc: Encoded, spec: IntervalSpec) -> list[int]:
     return [0] * (p - 1) + inside + [0, 0]
 
 
-SPAN_POSITION_FEATURES = {  # expert rows: `after_close_positions`, `inside_foreign_positions`
-    "after_close": datasets.List(datasets.Value("int8")), "inside_foreign": datasets.List(datasets.Value("int8"))}
+SPAN_POSITION_FEATURES = {  # expert rows: `after_close_positions`, `inside_foreign_positions`, `at_open_positions`
+    column: datasets.List(datasets.Value("int8")) for column in ("after_close", "inside_foreign", "at_open")}
 
 
 def after_close_positions(enc: Encoded, spec: IntervalSpec) -> list[int]:
@@ -300,6 +300,24 @@ def after_close_positions(enc: Encoded, spec: IntervalSpec) -> list[int]:
         j = next((j for j, s in enumerate(starts) if s >= end and not enc.special[j]), len(starts))
         after[p - 1 + j] = 1
     return after
+
+
+def at_open_positions(enc: Encoded, spec: IntervalSpec) -> list[int]:
+    """1 at the target position predicting the token that holds the first character of each start delimiter: of
+    `spec`'s intervals and of each foreign span of the row (`Example.foreign_spans`), over the `targets` positions
+    as `response_mask`. There the text chooses to open a span, which in a composition is another expert's (or
+    this one's) interval: an expert that lowers the opening a little, beside others that do too, keeps it from
+    being written (`expert.reg_at_open` weighs these positions more)."""
+    response = enc.example.response
+    opens = {a - start_delimiter_length(response, a, spec) for a, _ in interval_char_spans(response, spec)}
+    opens |= {a for a, _ in enc.example.foreign_spans}
+    p = len(enc.prompt_ids)
+    marks = [0] * (p - 1) + [0] * len(enc.offsets) + [0, 0]
+    for start in opens:  # the token that holds it (a token holding the space before it and the delimiter too)
+        j = next((j for j, (_, e) in enumerate(enc.offsets) if e > start and not enc.special[j]), None)
+        if j is not None:
+            marks[p - 1 + j] = 1
+    return marks
 
 
 def inside_foreign_positions(enc: Encoded) -> list[int]:
@@ -602,7 +620,8 @@ class TextTask(Task):
     def _expert_row(self, enc: Encoded, is_task: int, task_on_mask: int, *, spec: IntervalSpec,
                     expert_index: int) -> dict[str, Any]:
         return make_row(enc, [spec], self.eos, expert_index=expert_index, is_task=is_task, task_on_mask=task_on_mask,
-                        after_close=after_close_positions(enc, spec), inside_foreign=inside_foreign_positions(enc))
+                        after_close=after_close_positions(enc, spec), inside_foreign=inside_foreign_positions(enc),
+                        at_open=at_open_positions(enc, spec))
 
     def _regularizer_examples(self, name: str, n: int, pool: Sequence[Encoded]) -> list[Encoded]:
         if not pool:

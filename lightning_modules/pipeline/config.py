@@ -169,6 +169,7 @@ class ExpertTrainingConfig:
     # foreign span of reg_data=own+foreign; text task); 1: as any other position
     reg_after_close: float = ExpertSettings.reg_after_close
     reg_inside_foreign: float = ExpertSettings.reg_inside_foreign
+    reg_at_open: float = ExpertSettings.reg_at_open  # ... the position predicting where a span opens
     divergence: str = ExpertSettings.divergence  # a name in losses.DIVERGENCES (forward_kl, ..., tail_log_ratio)
     jsd_beta: float = ExpertSettings.jsd_beta
     temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
@@ -504,6 +505,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "expert.reg_weight": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "expert.reg_after_close": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (1: as any position)"),
     "expert.reg_inside_foreign": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (1: as any position)"),
+    "expert.reg_at_open": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (1: as any position)"),
     "expert.temperature": (lambda v: _number(v) and v > 0, "a finite number > 0"),
     "expert.jsd_beta": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "background.corruption_prob": (lambda v: _rate_ok(v), "a number in [0, 1] or [low, high] within it"),

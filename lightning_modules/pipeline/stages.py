@@ -257,7 +257,8 @@ def _check_task_fits(cfg: DictConfig, task: Task) -> None:
         if OmegaConf.select(cfg, key) == value and task.feature_map is None:
             raise ConfigError(f"{key}={value} needs a task with a feature map (task.name=features); task "
                               f"{task.name!r} has none")
-    for key, marks in (("reg_after_close", "where intervals close"), ("reg_inside_foreign", "foreign spans")):
+    for key, marks in (("reg_after_close", "where intervals close"), ("reg_inside_foreign", "foreign spans"),
+                       ("reg_at_open", "where spans open")):
         if cfg.expert[key] != 1 and not task.marks_span_positions:
             raise ConfigError(f"expert.{key}={cfg.expert[key]} needs a task whose rows mark {marks} "
                               f"(task.name=text); task {task.name!r} does not")
@@ -467,7 +468,8 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
     seed_stage(cfg.seed, "experts")  # the LoRA initialisation does not depend on whether the background trained here
     module = expert_module(cfg, plan, background_path)
     weights = (f", ×{e.reg_after_close} after a close" if e.reg_after_close != 1 else "") + (
-        f", ×{e.reg_inside_foreign} inside foreign spans" if e.reg_inside_foreign != 1 else "")
+        f", ×{e.reg_inside_foreign} inside foreign spans" if e.reg_inside_foreign != 1 else "") + (
+        f", ×{e.reg_at_open} where spans open" if e.reg_at_open != 1 else "")
     print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}"
           f"{weights}), reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
     callbacks = [
