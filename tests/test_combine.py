@@ -339,19 +339,21 @@ def test_subset_bounds_divides_each_skill_by_the_expert_alone(monkeypatch):
     assert results["subsets"][0]["skills"]["y"] == {"accuracy": 0.5, "n": 40, "ratio": 1.0, "meets": True}
 
 
-def test_foreign_spans_may_differ_between_text_exports(tmp_path):
-    """How many random foreign spans a regularizer row held shapes training only (either order of exports)."""
+@pytest.mark.parametrize(("key", "value"), [("foreign_spans", [1, 3]), ("background_spans", True)])
+def test_training_only_settings_may_differ_between_text_exports(tmp_path, key, value):
+    """How many random foreign spans a regularizer row held, or whether the run's background trained on spanned
+    rows, shapes training only (either order of exports); a setting of the test rows does not."""
     from types import SimpleNamespace
 
     from compose.frontends.combine import _common_settings
 
     base = {"name": "text", "general": ["g.jsonl"], "max_length": 64}
     old = SimpleNamespace(root=tmp_path / "old", settings=dict(base))  # written before the setting existed
-    new = SimpleNamespace(root=tmp_path / "new", settings={**base, "foreign_spans": [1, 3]})
+    new = SimpleNamespace(root=tmp_path / "new", settings={**base, key: value})
     for sources in ([new, old], [old, new]):
         settings, notes = _common_settings(sources)
         assert settings == sources[0].settings
-    assert any("task.foreign_spans differs" in note for note in _common_settings([new, old])[1])
-    other = SimpleNamespace(root=tmp_path / "other", settings={**base, "foreign_spans": [1, 3], "max_length": 32})
+    assert any(f"task.{key} differs" in note for note in _common_settings([new, old])[1])
+    other = SimpleNamespace(root=tmp_path / "other", settings={**base, key: value, "max_length": 32})
     with pytest.raises(CombineError, match="task.max_length"):
         _common_settings([new, other])

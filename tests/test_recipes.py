@@ -167,7 +167,7 @@ def test_at_open_marks_the_token_that_opens_each_own_and_foreign_span(tok):
             mask = row["masks"][0]
             opened = [next(j for j in range(i, len(mask)) if mask[j]) for i in marked]
             assert len(marked) == n_own and all(
-                tok.decode(row["input_ids"][i + 1:j + 1]).strip() == spec.start for i, j in zip(marked, opened))
+                tok.decode(row["input_ids"][i + 1:j + 1]).strip() == spec.start for i, j in zip(marked, opened, strict=True))
         else:  # a regularizer row also marks each foreign span (two may open in one token)
             assert len(marked) >= n_own + 1
 
