@@ -4,7 +4,8 @@ An expert trained alone never sees the spans other experts write, yet in a compo
 (`Tom sold <<47+8=55>> cups and said [GOOD NIGHT].`). Its regularizer rows can hold stand-ins: spans whose
 delimiters come from a fixed pool of bracket-like pairs (minus any pair that shares a character with the
 expert's own delimiters, so its own interval never opens or closes by accident) and whose contents are random
-words, digits or letters. The pool and the draws are the same whichever experts exist, so rows built with
+letters, digits or small sums, or, given a word list (the general rows' own words), real words in lower or upper
+case. The pool and the draws are the same whichever experts exist, so rows built with
 them carry no knowledge of any other expert (`expert.reg_data: own+foreign`, `data.tasks.text`).
 
 A span goes in at a word boundary of the response outside the expert's own intervals; where the text before
@@ -41,18 +42,24 @@ def delimiter_pool(own: IntervalSpec) -> list[tuple[str, str]]:
     return [(a, b) for a, b in DELIMITER_POOL if not (set(a) | set(b)) & used]
 
 
-def random_content(rng: random.Random) -> str:
-    """One to three random words: lowercase or uppercase letters, digits, or a small sum."""
+def random_content(rng: random.Random, words: Sequence[str] = ()) -> str:
+    """One to three random words: lowercase or uppercase letters, digits, or a small sum. With `words`, each
+    word of letters is, half the time, one of `words` instead (real words tokenize as text does, random letters
+    do not)."""
     kind = rng.randrange(4)
     if kind == 3:
         return f"{rng.randrange(100)}{rng.choice('+-*/=')}{rng.randrange(100)}"
-    words = []
+    drawn = []
     for _ in range(rng.randint(1, 3)):
         n = rng.randint(1, 7)
-        word = "".join(rng.choice("0123456789") for _ in range(n)) if kind == 2 else \
-            "".join(rng.choice(_LETTERS) for _ in range(n))
-        words.append(word.upper() if kind == 1 else word)
-    return " ".join(words)
+        if kind == 2:
+            word = "".join(rng.choice("0123456789") for _ in range(n))
+        elif words and rng.random() < 0.5:
+            word = rng.choice(words)
+        else:
+            word = "".join(rng.choice(_LETTERS) for _ in range(n))
+        drawn.append(word.upper() if kind == 1 else word)
+    return " ".join(drawn)
 
 
 def _boundaries(text: str, own: IntervalSpec | None) -> list[int]:
@@ -80,13 +87,14 @@ def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, 
 
 
 def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, rng: random.Random,
-                         n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None
-                         ) -> tuple[str, str, list[tuple[int, int]]]:
+                         n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None,
+                         words: Sequence[str] = ()) -> tuple[str, str, list[tuple[int, int]]]:
     """`(prompt, response, spans)` with up to `n_spans` random foreign spans inserted (fewer when the response has
     fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)` (the whole
     `DELIMITER_POOL` when `own` is None: rows for the background, which owns no interval). `spans`: for each
     span, sorted, `(start, end)` in the new response: the index of its start delimiter's first character and of the
-    first character after its end delimiter (where the text goes on once the foreign span has closed)."""
+    first character after its end delimiter (where the text goes on once the foreign span has closed). `words`: a
+    word list the contents may draw from (`random_content`)."""
     pairs = list(pool) if pool is not None else list(DELIMITER_POOL) if own is None else delimiter_pool(own)
     if not pairs:
         raise ValueError("no delimiter pair to draw from: the pool is empty" if own is None else
@@ -98,8 +106,8 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, r
             break
         at = rng.choice(spaces)
         start, end = rng.choice(pairs)
-        content = random_content(rng)
-        written = content if rng.random() < 0.5 else random_content(rng)
+        content = random_content(rng, words)
+        written = content if rng.random() < 0.5 else random_content(rng, words)
         before = response[:at]
         new_response = f"{before} {start}{written}{end}{response[at:]}"
         if own is not None and interval_char_spans(new_response, own) != _shifted(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +76,32 @@ def test_without_an_own_interval_spans_may_use_every_pair_of_the_pool():
         used |= {(x, y) for x, y in DELIMITER_POOL if r[spans[0][0]:spans[0][1]].startswith(x)
                  and r[spans[0][0]:spans[0][1]].endswith(y)}
     assert ("<<", ">>") in used and ("[", "]") in used  # pairs any expert may own are in the draws
+
+
+def test_foreign_words_draw_span_contents_from_the_given_words():
+    rng, words = random.Random(0), ["window", "garden"]
+    response = "Tom sold the cups to Ben today."
+    drawn = set()
+    for _ in range(300):
+        _, r, spans = insert_foreign_spans("Repeat: " + response, response, None, rng, n_spans=1, words=words)
+        drawn |= set(re.findall(r"[A-Za-z]+", r[spans[0][0]:spans[0][1]]))  # no pool delimiter holds a letter
+    assert {"window", "garden", "WINDOW", "GARDEN"} <= drawn  # real words, in lower and upper case
+    assert any(w.isalpha() and w.lower() not in words for w in drawn)  # random letters still drawn too
+    assert sum(w.lower() in words for w in drawn) < len(drawn)
+    # without words, the draws are the same as before the option existed
+    a = [insert_foreign_spans("x", response, None, random.Random(3), n_spans=2) for _ in range(5)]
+    b = [insert_foreign_spans("x", response, None, random.Random(3), n_spans=2, words=()) for _ in range(5)]
+    assert a == b
+
+
+def test_foreign_words_come_from_the_general_training_rows(tok):
+    t = make_task(tok, config(foreign_words=True), reg_data="own+foreign")
+    words = t._general_words()
+    general = " ".join(r.example.response for r in t.general["train"]).lower()
+    assert words and words == sorted(set(words)) and all(w in general for w in words)
+    spanned = t.expert_dataset("train")["y"]
+    plain = make_task(tok, reg_data="own+foreign").expert_dataset("train")["y"]
+    assert spanned != plain and len(spanned) == len(plain)
 
 
 def test_background_spans_add_a_spanned_copy_of_each_general_training_row(tok):

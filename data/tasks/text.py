@@ -91,6 +91,9 @@ class TextConfig:
         foreign_spans: `[min, max]`: each `own+foreign` regularizer row gets a number of random foreign spans
             drawn uniformly from this range (fewer where the response has fewer word boundaries). Raise `max`
             towards the number of other skills a composed row holds, so the expert meets as many spans as there.
+        foreign_words: the random spans' words of letters are, half the time, real words (the general training
+            rows' own, lowercase or uppercase) instead of random letters, so the spans' contents tokenize as the
+            text inside another skill's interval does; still drawn without knowing any other skill.
         background_spans: the background's training rows are the general rows and, besides each, the same row
             with random foreign spans from the whole delimiter pool (`task.foreign_spans` of them; contents kept or
             redrawn in the response): a background tuned to the rows' format, spans included, so that no expert
@@ -117,6 +120,7 @@ class TextConfig:
     eval_limit: int | None = None
     trust_remote_code: bool = False
     foreign_spans: list[int] = field(default_factory=lambda: [1, 2])
+    foreign_words: bool = False
     background_spans: bool = False
     cross_eval: bool = False
 
@@ -665,12 +669,18 @@ class TextTask(Task):
         """`rows` with random foreign spans (`data.foreign_spans`; `own`: the expert's interval they keep clear of,
         None for the background), re-encoded, one for each row (the caller drops those past `task.max_length`)."""
         rng = random.Random(seed)
+        words = self._general_words() if self.cfg.foreign_words else ()
         examples = []
         for enc in rows:
             prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, own, rng,
-                                                           n_spans=rng.randint(*self.cfg.foreign_spans))
+                                                           n_spans=rng.randint(*self.cfg.foreign_spans), words=words)
             examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         return encode_examples(self._tokenizer, examples)
+
+    def _general_words(self) -> list[str]:
+        """The distinct words of letters (two or more, lowercased) of the general training responses, sorted."""
+        return sorted({w.lower() for enc in self.general["train"]
+                       for w in re.findall(r"[A-Za-z]{2,}", enc.example.response)})
 
     def compositional_dataset(self, split: str) -> datasets.Dataset:
         check_split(split, EVAL_SPLITS)
