@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from compose.intervals import IntervalSpec, interval_char_spans
-from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans
+from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans, random_content
 from data.tasks import Expert, TaskError, task_class
 from lightning_modules.pipeline import reg_samples
 from lightning_modules.pipeline.config import ConfigError, load_config
@@ -87,11 +87,14 @@ def test_foreign_words_draw_span_contents_from_the_given_words():
         drawn |= set(re.findall(r"[A-Za-z]+", r[spans[0][0]:spans[0][1]]))  # no pool delimiter holds a letter
     assert {"window", "garden", "WINDOW", "GARDEN"} <= drawn  # real words, in lower and upper case
     assert any(w.isalpha() and w.lower() not in words for w in drawn)  # random letters still drawn too
-    assert sum(w.lower() in words for w in drawn) < len(drawn)
-    # without words, the draws are the same as before the option existed
-    a = [insert_foreign_spans("x", response, None, random.Random(3), n_spans=2) for _ in range(5)]
-    b = [insert_foreign_spans("x", response, None, random.Random(3), n_spans=2, words=()) for _ in range(5)]
-    assert a == b
+
+
+def test_without_words_the_seeded_draws_are_those_recorded_before_the_option():
+    """Runs documented before `task.foreign_words` existed draw the same spans from the same seed."""
+    assert [random_content(random.Random(s)) for s in range(6)] == [
+        "97/5", "ZYCIDPY PUMZ DP", "l", "ELTPU CTAPI HGWPR", "X PECC", "807 3021573 8193"]
+    assert insert_foreign_spans("x", "Tom sold the cups to Ben today.", None, random.Random(3), n_spans=2) == (
+        "x", "Tom sold `PUSCT P` {{69=60}} the cups to Ben today.", [(9, 18), (19, 28)])
 
 
 def test_foreign_words_come_from_the_general_training_rows(tok):
