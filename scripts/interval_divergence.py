@@ -1,7 +1,7 @@
 """How far each expert of a composition moves off the background, by region of the compositional test rows.
 
     python scripts/interval_divergence.py EXPORT [EXPORT ...] [--limit 48] [--test_setting eval_limit=48] \
-        [--perplexity] [--top1] [--first_miss] [--out FILE.json]
+        [--perplexity] [--top1] [--first_miss] [--foreign N] [--out FILE.json]
 
 For each expert i, the mean KL(p_b ‖ p_i) (teacher-forced on the reference) at the target positions of the
 compositional test rows that lie in its own interval (`own`), in another expert's interval (`other`), and in no
@@ -24,6 +24,12 @@ whose top token is not the reference's; greedy decoding copies the reference up 
 an interval, inside one, right after one closes, at the final EOS, or elsewhere; whether the background alone (or,
 inside an interval, its owner alone) ranks the reference first there; and which expert's shift of the two tokens'
 odds was largest.
+
+`--foreign N`: the same KL on the first N held-out general test rows given one or two random foreign spans
+(`data.foreign_spans`, from the delimiter pairs that touch no expert's delimiters; seeded), the kind of span the
+`own+foreign` regularizer rows train on: inside those spans against elsewhere. Beside `other` above, it tells
+whether an expert's drift inside another expert's interval is drift the regularizer never sees (small here, large
+there) or drift it does not remove (large in both).
 """
 
 from __future__ import annotations
@@ -128,6 +134,46 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
     return out
 
 
+@torch.no_grad()
+def foreign_span_divergence(composed, task, n: int, seed: int = 0, batch_size: int = 8) -> dict[str, dict]:
+    """`{expert: {inside, outside, inside_n, outside_n}}`: mean KL(p_b ‖ p_i) at the target positions of `n` held-out
+    general test rows with random foreign spans, inside the spans and outside them (`--foreign`)."""
+    import random
+
+    from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans
+    from data.tasks.text import Example, encode_examples, inside_foreign_positions, make_row
+    from losses import IGNORE_INDEX, divergence
+
+    free = [pair for pair in DELIMITER_POOL if all(pair in delimiter_pool(spec) for spec in task.specs)]
+    rng = random.Random(seed)
+    examples = []
+    for enc in list(task.general["test"])[:n]:
+        prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, None, rng,
+                                                       n_spans=rng.randint(*task.cfg.foreign_spans), pool=free)
+        examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
+    rows = [(make_row(enc, [], task.eos), inside_foreign_positions(enc)) for enc in encode_examples(task.tokenizer, examples)]
+    k = len(composed.names)
+    sums, counts = torch.zeros(k, 2, dtype=torch.float64), torch.zeros(2, dtype=torch.long)
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        width = max(len(row["input_ids"]) for row, _ in chunk)
+
+        def padded(column: list[list[int]], value: int, width: int = width) -> torch.Tensor:
+            return torch.tensor([seq + [value] * (width - len(seq)) for seq in column])
+
+        ids = padded([row["input_ids"] for row, _ in chunk], task.pad)
+        attention = padded([[1] * len(row["input_ids"]) for row, _ in chunk], 0)
+        targets = padded([row["targets"] for row, _ in chunk], IGNORE_INDEX)
+        inside = padded([mask for _, mask in chunk], 0).bool() & (targets != IGNORE_INDEX)
+        outside = (targets != IGNORE_INDEX) & ~inside
+        lp_b, lp_e = composed.component_logprobs(ids, attention)
+        kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl").double()  # [k, B, T]
+        for r, region in enumerate((inside, outside)):
+            sums[:, r] += kl[:, region].sum(-1)
+            counts[r] += int(region.sum())
+    return {name: _means(sums[i], counts, ("inside", "outside")) for i, name in enumerate(composed.names)}
+
+
 def first_miss_counts(names: list[str]) -> dict:
     """The empty tally `_first_misses` adds to: rows, rows with no miss, each region's misses and how many the
     background alone gets right, inside misses the owner alone gets right, misses per expert pushing most, and
@@ -210,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first_miss", action="store_true",
                         help="also where each row's greedy soft decoding first leaves the reference, by region, "
                              "and which expert pushed most there")
+    parser.add_argument("--foreign", type=int, default=0, metavar="N",
+                        help="also the KL inside and outside random foreign spans put into the first N held-out "
+                             "general test rows (the spans the own+foreign regularizer trains on)")
     args = parser.parse_args(argv)
 
     from compose.frontends.combine import CombineError, assemble, check_exports, load_composed
@@ -243,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "after_misses" in experts:
             result["after_misses"] = experts.pop("after_misses")
         result["experts"] = experts
+        if args.foreign:
+            result["foreign_spans"] = foreign_span_divergence(composed, combination.task, args.foreign)
         if args.perplexity:
             from compose import ComposedLM
 
@@ -255,6 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['other']:.4f} (n={r['other_n']}), in no interval {r['none']:.4f} (n={r['none_n']}); "
               f"log p_i/p_b of the reference token: own {r['ratio_own']:+.3f}, another's {r['ratio_other']:+.3f}, "
               f"none {r['ratio_none']:+.3f}")
+    for name, r in result.get("foreign_spans", {}).items():
+        print(f"{name}: KL(p_b||p_i) inside random foreign spans {r['inside']:.4f} (n={r['inside_n']}), outside them "
+              f"{r['outside']:.4f} (n={r['outside_n']})")
     for model, r in result.get("top1_errors", {}).items():
         print(f"{model}: top token misses the reference " + ", ".join(
             f"{region} {r[region]:.4f} (n={r[f'{region}_n']})" for region in TOP1_REGIONS))

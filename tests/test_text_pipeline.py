@@ -182,8 +182,12 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     result = script.main([str(text_run / "export"), "--limit", "2", "--perplexity", "--top1", "--misses", "50",
-                          "--first_miss"])
+                          "--first_miss", "--foreign", "3"])
     assert set(result["experts"]) == {"calc", "upper"} and result["n_test"] == 2
+    # --foreign: KL inside and outside random spans put into 3 general rows, for every expert
+    for r in result["foreign_spans"].values():
+        assert r["inside_n"] > 0 and r["outside_n"] > 0
+        assert 0.0 <= r["inside"] < float("inf") and 0.0 <= r["outside"] < float("inf")
     # --first_miss: each row either decodes the reference or first leaves it in exactly one region
     first = result["first_miss"]
     missed = sum(first[r] for r in script.FIRST_MISS_REGIONS)
@@ -195,6 +199,7 @@ def test_interval_divergence_reports_regions_and_perplexity_of_an_export(text_ru
     out = capsys.readouterr().out
     assert "general perplexity: composition" in out and "composition: top token misses the reference" in out
     assert "soft greedy decoding leaves the reference in" in out
+    assert "inside random foreign spans" in out
 
     # --top1's regions partition the target positions; `after` is the position following each interval's end
     from compose.frontends.combine import check_exports
