@@ -138,37 +138,23 @@ def region_divergence(composed, dataset, collate, batch_size: int = 8, *, top1: 
 def foreign_span_divergence(composed, task, n: int, seed: int = 0, batch_size: int = 8) -> dict[str, dict]:
     """`{expert: {inside, outside, inside_n, outside_n}}`: mean KL(p_b ‖ p_i) at the target positions of `n` held-out
     general test rows with random foreign spans, inside the spans and outside them (`--foreign`)."""
-    import random
-
-    from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans
-    from data.tasks.text import Example, encode_examples, inside_foreign_positions, make_row
+    from data.foreign_spans import DELIMITER_POOL, delimiter_pool
+    from data.tasks.text import inside_foreign_positions, make_row
     from losses import IGNORE_INDEX, divergence
 
     free = [pair for pair in DELIMITER_POOL if all(pair in delimiter_pool(spec) for spec in task.specs)]
-    rng = random.Random(seed)
-    examples = []
-    for enc in list(task.general["test"])[:n]:
-        prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, None, rng,
-                                                       n_spans=rng.randint(*task.cfg.foreign_spans), pool=free)
-        examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
-    rows = [(make_row(enc, [], task.eos), inside_foreign_positions(enc)) for enc in encode_examples(task.tokenizer, examples)]
+    rows = [make_row(enc, [], task.eos, inside_foreign=inside_foreign_positions(enc))
+            for enc in task.spanned(list(task.general["test"])[:n], None, seed, pool=free)]
+    collate = task.collator()
     k = len(composed.names)
     sums, counts = torch.zeros(k, 2, dtype=torch.float64), torch.zeros(2, dtype=torch.long)
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        width = max(len(row["input_ids"]) for row, _ in chunk)
-
-        def padded(column: list[list[int]], value: int, width: int = width) -> torch.Tensor:
-            return torch.tensor([seq + [value] * (width - len(seq)) for seq in column])
-
-        ids = padded([row["input_ids"] for row, _ in chunk], task.pad)
-        attention = padded([[1] * len(row["input_ids"]) for row, _ in chunk], 0)
-        targets = padded([row["targets"] for row, _ in chunk], IGNORE_INDEX)
-        inside = padded([mask for _, mask in chunk], 0).bool() & (targets != IGNORE_INDEX)
-        outside = (targets != IGNORE_INDEX) & ~inside
-        lp_b, lp_e = composed.component_logprobs(ids, attention)
+        batch = collate(rows[start:start + batch_size])
+        valid = batch["targets"] != IGNORE_INDEX
+        inside = batch["inside_foreign"].bool() & valid
+        lp_b, lp_e = composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
         kl = divergence(lp_e, lp_b.expand_as(lp_e), "forward_kl").double()  # [k, B, T]
-        for r, region in enumerate((inside, outside)):
+        for r, region in enumerate((inside, valid & ~inside)):
             sums[:, r] += kl[:, region].sum(-1)
             counts[r] += int(region.sum())
     return {name: _means(sums[i], counts, ("inside", "outside")) for i, name in enumerate(composed.names)}

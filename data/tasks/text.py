@@ -595,7 +595,7 @@ class TextTask(Task):
         def rows() -> datasets.Dataset:
             general = list(self.general[split])
             if split == "train" and self.cfg.background_spans:
-                spanned = self._spanned(general, None, derive_seed(self.seed, "text", "background spans"))
+                spanned = self.spanned(general, None, derive_seed(self.seed, "text", "background spans"))
                 general += [enc for enc in spanned if len(enc) <= self.cfg.max_length]
             return rows_to_dataset([make_row(enc, [], self.eos) for enc in general])
 
@@ -661,19 +661,22 @@ class TextTask(Task):
         general = self._regularizer_examples(name, (n + 1) // 2, self.general["train"])
         own = self._regularizer_examples(name, n // 2, self.own[name]["train"])
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
-        encoded = self._spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name))
+        encoded = self.spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name))
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
                 if len(enc) <= self.cfg.max_length]
 
-    def _spanned(self, rows: Sequence[Encoded], own: IntervalSpec | None, seed: int) -> list[Encoded]:
+    def spanned(self, rows: Sequence[Encoded], own: IntervalSpec | None, seed: int,
+                pool: Sequence[tuple[str, str]] | None = None) -> list[Encoded]:
         """`rows` with random foreign spans (`data.foreign_spans`; `own`: the expert's interval they keep clear of,
-        None for the background), re-encoded, one for each row (the caller drops those past `task.max_length`)."""
+        None for the background; `pool`: the delimiter pairs to draw from, by default those `own` allows),
+        re-encoded, one for each row (the caller drops those past `task.max_length`)."""
         rng = random.Random(seed)
         words = self._general_words() if self.cfg.foreign_words else ()
         examples = []
         for enc in rows:
             prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, own, rng,
-                                                           n_spans=rng.randint(*self.cfg.foreign_spans), words=words)
+                                                           n_spans=rng.randint(*self.cfg.foreign_spans), pool=pool,
+                                                           words=words)
             examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         return encode_examples(self._tokenizer, examples)
 
