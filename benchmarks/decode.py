@@ -179,9 +179,8 @@ def build(name: str, ks: list[int], separate_ks: list[int], device: str, dtype: 
             runners[f"{key} compiled"] = (Compiled(runner, COMPILE), repeat)
     config = background.config
     layer_params = sum(p.numel() for p in background.get_decoder().layers[0].parameters())
-    head = background.get_output_embeddings().weight
-    shape = dict(layers=config.num_hidden_layers, top=top, layer_params=layer_params, head_params=head.numel(),
-                 head=background.get_output_embeddings(), hidden=config.hidden_size)
+    shape = dict(layers=config.num_hidden_layers, top=top, layer_params=layer_params,
+                 head=background.get_output_embeddings())
     return n_params, config.vocab_size, runners, shape
 
 
@@ -195,7 +194,7 @@ def rows_per_token(shape: dict, batch: int, k: int, path: str) -> tuple[int, int
         "one head": (n * rows, batch),
         "trunk": ((n - shape["top"]) * batch + shape["top"] * rows, batch),
     }[path]
-    return layer_rows, head_rows, layer_rows * shape["layer_params"] + head_rows * shape["head_params"]
+    return layer_rows, head_rows, layer_rows * shape["layer_params"] + head_rows * shape["head"].weight.numel()
 
 
 PATHS_HEADER = ("| model | batch | k | background ms/tok | plain | one head | trunk + one head | one head / plain "
@@ -203,9 +202,9 @@ PATHS_HEADER = ("| model | batch | k | background ms/tok | plain | one head | tr
                 "background; plain; one head; trunk |")
 
 
-def head_ms(head: torch.nn.Module, rows: int, hidden: int, device: str, reps: int = 15) -> float:
+def head_ms(head: torch.nn.Module, rows: int, device: str, reps: int = 15) -> float:
     """Median ms of the output head on ``rows`` decoding rows (one position each)."""
-    x = torch.randn(rows, 1, hidden, dtype=head.weight.dtype, device=device)
+    x = torch.randn(rows, 1, head.weight.shape[1], dtype=head.weight.dtype, device=device)
     times = []
     with torch.no_grad():
         for _ in range(reps + 2):
@@ -223,7 +222,7 @@ def timed_bounds(batch: int, k: int, t: dict, shape: dict, device: str) -> dict:
     background at B rows and "bg at (k+1)·B" give both R), the head is timed on its rows alone. What such a bound
     leaves out is what the path adds: LoRA, mixing, branching, bookkeeping."""
     n, top, rows = shape["layers"], shape["top"], (k + 1) * batch
-    head = {r: head_ms(shape["head"], r, shape["hidden"], device) for r in (batch, rows)}
+    head = {r: head_ms(shape["head"], r, device) for r in (batch, rows)}
     layer = {batch: (t["background"] - head[batch]) / n, rows: (t[f"bound {k}"] - head[rows]) / n}
     return {"background": t["background"], "plain": t[f"bound {k}"],
             "one head": n * layer[rows] + head[batch],

@@ -391,10 +391,10 @@ def test_decode_benchmark_timed_bounds_take_each_path_rows_through_the_backgroun
     their head) summed over the rows the path sends through each layer, plus the head on B rows."""
     bench = _decode_benchmark()
     head = torch.nn.Linear(8, 32, bias=False)
-    shape = dict(layers=4, top=1, head=head, hidden=8)
+    shape = dict(layers=4, top=1, head=head)
     bounds = bench.timed_bounds(batch=1, k=2, t={"background": 10.0, "bound 2": 16.0}, shape=shape, device="cpu")
     assert bounds["background"] == 10.0 and bounds["plain"] == 16.0
-    head_1 = bounds["one head"] - (16.0 - bench.head_ms(head, 3, 8, "cpu"))  # layers at 3 rows, head on 1 row
+    head_1 = bounds["one head"] - (16.0 - bench.head_ms(head, 3, "cpu"))  # layers at 3 rows, head on 1 row
     assert 0 < head_1 < 5.0
     layer_1, layer_3 = (10.0 - head_1) / 4, (bounds["one head"] - head_1) / 4
     assert abs(bounds["trunk"] - (3 * layer_1 + layer_3 + head_1)) < 0.5
