@@ -10,7 +10,10 @@ them carry no knowledge of any other expert (`expert.reg_data: own+foreign`, `da
 
 A span goes in at a word boundary of the response outside the expert's own intervals; where the text before
 that boundary also occurs in the prompt (the chat rows echo their sentence), the span goes in there too, with
-the contents either kept or redrawn in the response (a foreign skill that copies or rewrites its span).
+the contents either kept or redrawn in the response (a foreign skill that copies or rewrites its span). With
+`rewrite`, half of the redrawn contents are instead a rewrite of the prompt's by one of a fixed family of string
+transforms (`REWRITES`): the response's span then differs from the prompt's copy the way a real skill's output
+differs from its input (related to it, not independent of it), and the family is the same whatever experts exist.
 """
 
 from __future__ import annotations
@@ -62,6 +65,36 @@ def random_content(rng: random.Random, words: Sequence[str] = ()) -> str:
     return " ".join(drawn)
 
 
+def _shift(word: str) -> str:
+    """Each letter one on in the alphabet (case kept, z to a), each digit one up (9 to 0)."""
+    out = []
+    for ch in word:
+        if ch.isdigit():
+            out.append(str((int(ch) + 1) % 10))
+        elif ch.lower() in _LETTERS:
+            nxt = _LETTERS[(_LETTERS.index(ch.lower()) + 1) % 26]
+            out.append(nxt.upper() if ch.isupper() else nxt)
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _drop_vowels(word: str) -> str:
+    """The word without its vowels after the first character."""
+    return word[:1] + "".join(ch for ch in word[1:] if ch.lower() not in "aeiou")
+
+
+# Generic rewrites of a span's words (`rewrite_content`); fixed, whatever experts are in play, and none of them a
+# skill of the shipped suites (no reversal, case change, translation or arithmetic).
+REWRITES = (_shift, _drop_vowels, lambda w: "".join(sorted(w)), lambda w: "".join(ch * 2 for ch in w))
+
+
+def rewrite_content(content: str, rng: random.Random) -> str:
+    """`content` with every word rewritten by one transform of `REWRITES`, drawn by `rng`."""
+    transform = rng.choice(REWRITES)
+    return " ".join(transform(word) for word in content.split(" "))
+
+
 def _boundaries(text: str, own: IntervalSpec | None) -> list[int]:
     """Indices of the spaces of `text` that lie outside every interval of `own` (delimiters included; every space
     when `own` is None)."""
@@ -88,13 +121,14 @@ def _shifted(spans: list[tuple[int, int]], at: int, by: int) -> list[tuple[int, 
 
 def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, rng: random.Random,
                          n_spans: int = 1, pool: Sequence[tuple[str, str]] | None = None,
-                         words: Sequence[str] = ()) -> tuple[str, str, list[tuple[int, int]]]:
+                         words: Sequence[str] = (), rewrite: bool = False) -> tuple[str, str, list[tuple[int, int]]]:
     """`(prompt, response, spans)` with up to `n_spans` random foreign spans inserted (fewer when the response has
     fewer word boundaries outside `own`'s intervals); `pool` defaults to `delimiter_pool(own)` (the whole
     `DELIMITER_POOL` when `own` is None: rows for the background, which owns no interval). `spans`: for each
     span, sorted, `(start, end)` in the new response: the index of its start delimiter's first character and of the
     first character after its end delimiter (where the text goes on once the foreign span has closed). `words`: a
-    word list the contents may draw from (`random_content`)."""
+    word list the contents may draw from (`random_content`). `rewrite`: half the contents not kept in the response
+    are a rewrite of the prompt's (`rewrite_content`) instead of a fresh draw."""
     pairs = list(pool) if pool is not None else list(DELIMITER_POOL) if own is None else delimiter_pool(own)
     if not pairs:
         raise ValueError("no delimiter pair to draw from: the pool is empty" if own is None else
@@ -107,7 +141,12 @@ def insert_foreign_spans(prompt: str, response: str, own: IntervalSpec | None, r
         at = rng.choice(spaces)
         start, end = rng.choice(pairs)
         content = random_content(rng, words)
-        written = content if rng.random() < 0.5 else random_content(rng, words)
+        if rng.random() < 0.5:
+            written = content
+        elif rewrite and rng.random() < 0.5:
+            written = rewrite_content(content, rng)
+        else:
+            written = random_content(rng, words)
         before = response[:at]
         new_response = f"{before} {start}{written}{end}{response[at:]}"
         if own is not None and interval_char_spans(new_response, own) != _shifted(

@@ -340,7 +340,7 @@ def test_subset_bounds_divides_each_skill_by_the_expert_alone(monkeypatch):
 
 
 @pytest.mark.parametrize(("key", "value"), [("foreign_spans", [1, 3]), ("foreign_words", True),
-                                                  ("background_spans", True)])
+                                                  ("foreign_rewrites", True), ("background_spans", True)])
 def test_training_only_settings_may_differ_between_text_exports(tmp_path, key, value):
     """How many random foreign spans a regularizer row held, or whether the run's background trained on spanned
     rows, shapes training only (either order of exports); a setting of the test rows does not."""

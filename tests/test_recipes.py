@@ -14,7 +14,14 @@ import torch
 from omegaconf import OmegaConf
 
 from compose.intervals import IntervalSpec, interval_char_spans
-from data.foreign_spans import DELIMITER_POOL, delimiter_pool, insert_foreign_spans, random_content
+from data.foreign_spans import (
+    DELIMITER_POOL,
+    REWRITES,
+    delimiter_pool,
+    insert_foreign_spans,
+    random_content,
+    rewrite_content,
+)
 from data.tasks import Expert, TaskError, task_class
 from lightning_modules.pipeline import reg_samples
 from lightning_modules.pipeline.config import ConfigError, load_config
@@ -95,6 +102,30 @@ def test_without_words_the_seeded_draws_are_those_recorded_before_the_option():
         "97/5", "ZYCIDPY PUMZ DP", "l", "ELTPU CTAPI HGWPR", "X PECC", "807 3021573 8193"]
     assert insert_foreign_spans("x", "Tom sold the cups to Ben today.", None, random.Random(3), n_spans=2) == (
         "x", "Tom sold `PUSCT P` {{69=60}} the cups to Ben today.", [(9, 18), (19, 28)])
+
+
+def test_foreign_rewrites_write_a_transform_of_the_prompts_contents():
+    """With `rewrite`, some spans' response contents are a generic rewrite of the prompt's copy (the prompt keeps
+    the original); without it, no draw changes."""
+    response, outcomes = "Tom sold the cups to Ben today.", []
+    for seed in range(300):
+        prompt, r, ((a, b),) = insert_foreign_spans("Repeat: " + response, response, None, random.Random(seed),
+                                                    pool=[("(", ")")], rewrite=True)
+        written, original = r[a + 1:b - 1], prompt[len("Repeat: ") + a + 1:].split(")")[0]
+        rewrites = {" ".join(f(w) for w in original.split(" ")) for f in REWRITES}
+        outcomes.append("kept" if written == original else "rewritten" if written in rewrites else "redrawn")
+        assert insert_foreign_spans("x", response, None, random.Random(seed)) == insert_foreign_spans(
+            "x", response, None, random.Random(seed), rewrite=False)
+    counts = {k: outcomes.count(k) for k in ("kept", "rewritten", "redrawn")}
+    assert counts["kept"] > 110 and counts["rewritten"] > 40 and counts["redrawn"] > 40, counts  # 1/2, 1/4, 1/4
+    assert rewrite_content("Tom 39", random.Random(0)) in {"Upn 40", "Tm 39", "Tmo 39", "TToomm 3399"}
+
+
+def test_foreign_rewrites_reach_the_experts_rows_but_not_the_backgrounds(tok):
+    plain = make_task(tok, config(background_spans=True), reg_data="own+foreign")
+    rewriting = make_task(tok, config(background_spans=True, foreign_rewrites=True), reg_data="own+foreign")
+    assert plain.background_dataset("train")["y"] == rewriting.background_dataset("train")["y"]
+    assert plain.expert_dataset("train")["y"] != rewriting.expert_dataset("train")["y"]
 
 
 def test_foreign_words_come_from_the_general_training_rows(tok):

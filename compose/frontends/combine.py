@@ -67,11 +67,11 @@ from lightning_modules.pipeline.build import new_task
 from lightning_modules.pipeline.report import add_intervals
 
 # Task settings that only shape training rows (rows per expert, how often a source is planted, how many foreign
-# spans a regularizer row holds and what their words are drawn from, whether a trained background also saw spanned
+# spans a regularizer row holds and what their words are drawn from or rewritten by, whether a trained background also saw spanned
 # rows) or the run's own length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still
 # share one compositional test set.
-TRAINING_ONLY_SETTINGS = ("n_train", "source_prob", "foreign_spans", "foreign_words", "background_spans",
-                          "eval_lengths", "n_per_length")
+TRAINING_ONLY_SETTINGS = ("n_train", "source_prob", "foreign_spans", "foreign_words", "foreign_rewrites",
+                          "background_spans", "eval_lengths", "n_per_length")
 # Text-task settings that shape only the held-out evaluation of a run (its compositional rows, how many held-out
 # rows it decodes): an expert trained later brings compositional rows that need its skill. The first export's are
 # kept (change them with `test_settings`).

@@ -94,6 +94,11 @@ class TextConfig:
         foreign_words: the random spans' words of letters are, half the time, real words (the general training
             rows' own, lowercase or uppercase) instead of random letters, so the spans' contents tokenize as the
             text inside another skill's interval does; still drawn without knowing any other skill.
+        foreign_rewrites: in the experts' `own+foreign` rows, half the span contents not kept from the prompt are
+            a rewrite of the prompt's contents by a fixed family of string transforms (letters shifted, vowels
+            dropped, letters sorted, letters doubled: `data.foreign_spans.REWRITES`) instead of a fresh draw, as a
+            real skill's output is a function of its input. The background's rows (`background_spans`) are
+            unchanged, so a tuned background serves runs with and without it.
         background_spans: the background's training rows are the general rows and, besides each, the same row
             with random foreign spans from the whole delimiter pool (`task.foreign_spans` of them; contents kept or
             redrawn in the response): a background tuned to the rows' format, spans included, so that no expert
@@ -121,6 +126,7 @@ class TextConfig:
     trust_remote_code: bool = False
     foreign_spans: list[int] = field(default_factory=lambda: [1, 2])
     foreign_words: bool = False
+    foreign_rewrites: bool = False
     background_spans: bool = False
     cross_eval: bool = False
 
@@ -661,14 +667,16 @@ class TextTask(Task):
         general = self._regularizer_examples(name, (n + 1) // 2, self.general["train"])
         own = self._regularizer_examples(name, n // 2, self.own[name]["train"])
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
-        encoded = self.spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name))
+        encoded = self.spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name),
+                               rewrite=self.cfg.foreign_rewrites)
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
                 if len(enc) <= self.cfg.max_length]
 
     def spanned(self, rows: Sequence[Encoded], own: IntervalSpec | None, seed: int,
-                pool: Sequence[tuple[str, str]] | None = None) -> list[Encoded]:
+                pool: Sequence[tuple[str, str]] | None = None, rewrite: bool = False) -> list[Encoded]:
         """`rows` with random foreign spans (`data.foreign_spans`; `own`: the expert's interval they keep clear of,
-        None for the background; `pool`: the delimiter pairs to draw from, by default those `own` allows),
+        None for the background; `pool`: the delimiter pairs to draw from, by default those `own` allows;
+        `rewrite`: some contents rewritten rather than redrawn, `insert_foreign_spans`),
         re-encoded, one for each row (the caller drops those past `task.max_length`)."""
         rng = random.Random(seed)
         words = self._general_words() if self.cfg.foreign_words else ()
@@ -676,7 +684,7 @@ class TextTask(Task):
         for enc in rows:
             prompt, response, spans = insert_foreign_spans(enc.example.prompt, enc.example.response, own, rng,
                                                            n_spans=rng.randint(*self.cfg.foreign_spans), pool=pool,
-                                                           words=words)
+                                                           words=words, rewrite=rewrite)
             examples.append(Example(prompt, response, f"{enc.example.where} (foreign spans)", tuple(spans)))
         return encode_examples(self._tokenizer, examples)
 
