@@ -23,7 +23,8 @@ composition errs at `after` where the background does not.
 whose top token is not the reference's; greedy decoding copies the reference up to there): at the token that opens
 an interval, inside one, right after one closes, at the final EOS, or elsewhere; whether the background alone (or,
 inside an interval, its owner alone) ranks the reference first there; and which expert's shift of the two tokens'
-odds was largest.
+odds was largest. With `--out`, the first 40 misses are written as examples, each token also decoded after the
+ones before it (a byte-level token may be a piece of one character).
 
 `--foreign N`: the same KL on the first N held-out general test rows given one or two random foreign spans
 (`data.foreign_spans`, from the delimiter pairs that touch no expert's delimiters; seeded), the kind of span the
@@ -196,9 +197,13 @@ def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, l
         acc["pushed_most"][composed.names[int(shift.argmin())]] += 1
         if len(acc["examples"]) < 40:
             decode = composed.tokenizer.decode
+            # A byte-level token alone may be part of one character (`⟦` is three tokens in SmolLM2): the
+            # `*_in_context` strings decode it after the three tokens before it, so the character shows.
+            context = ids[row, max(0, t - 2):t + 1].tolist()
             acc["examples"].append({
                 "row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
                 "reference": decode([ref]), "composition_top": decode([top]),
+                "reference_in_context": decode(context + [ref]), "top_in_context": decode(context + [top]),
                 "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift.tolist(), strict=True)},
                 "log_ratio": _log_ratios(composed.names, lp_e[:, row, t], lp_b[row, t], ref, top)})
 

@@ -448,7 +448,8 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
 
     V, T = 5, 6
     names = ["a", "b"]
-    composed = SimpleNamespace(names=names, weights=[1.0, 1.0], tokenizer=SimpleNamespace(decode=lambda ids: "x"))
+    decode = lambda ids: "".join(map(str, ids))  # noqa: E731
+    composed = SimpleNamespace(names=names, weights=[1.0, 1.0], tokenizer=SimpleNamespace(decode=decode))
     # targets are token 0 everywhere; an interval covers positions 2-3 of every row; the last position is the EOS
     targets = torch.zeros(4, T, dtype=torch.long)
     valid = torch.ones(4, T, dtype=torch.bool)
@@ -467,6 +468,9 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
     assert acc["open_background_right"] == 1 and acc["pushed_most"] == {"a": 2, "b": 2}
     assert acc["inside_owner_right"] == 0  # the owner (a) raised the wrong token itself
     assert [e["region"] for e in acc["examples"]] == ["open", "inside", "after", "eos"]
+    # the reference and the top token are also decoded after the three prompt tokens before them (ids all 0 here)
+    assert [(e["reference_in_context"], e["top_in_context"]) for e in acc["examples"]] == [
+        ("000", "003"), ("0000", "0003"), ("0000", "0003"), ("0000", "0003")]
     # each expert's log-ratio at the reference, at the composition's top token, and its median over the vocabulary
     assert acc["examples"][1]["log_ratio"] == {"a": {"reference": 0.0, "top": 7.0, "median": 0.0},
                                                "b": {"reference": 0.0, "top": 0.0, "median": 0.0}}
