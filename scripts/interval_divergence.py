@@ -197,11 +197,12 @@ def _first_misses(acc: dict, composed, ids, targets, valid, masks, soft, lp_b, l
         acc["pushed_most"][composed.names[int(shift.argmin())]] += 1
         if len(acc["examples"]) < 40:
             decode = composed.tokenizer.decode
+            before = ids[row, max(0, t - 8):t + 1].tolist()
             # A byte-level token alone may be part of one character (`⟦` is three tokens in SmolLM2): the
             # `*_in_context` strings decode it after the three tokens before it, so the character shows.
-            context = ids[row, max(0, t - 2):t + 1].tolist()
+            context = before[-3:]
             acc["examples"].append({
-                "row": start + row, "region": region, "before": decode(ids[row, max(0, t - 8):t + 1]),
+                "row": start + row, "region": region, "before": decode(before),
                 "reference": decode([ref]), "composition_top": decode([top]),
                 "reference_in_context": decode(context + [ref]), "top_in_context": decode(context + [top]),
                 "shift": {n: round(float(x), 2) for n, x in zip(composed.names, shift.tolist(), strict=True)},

@@ -463,14 +463,16 @@ def test_first_misses_sorts_each_rows_first_miss_by_region_and_blames_the_larges
         soft[row, t, 3] = 1.0  # the composition's top token is 3 at t
         lp_e[pusher, row, t, 3] = 2.0  # and expert `pusher` raised it most
     acc = first_miss_counts(names)
-    _first_misses(acc, composed, torch.zeros(4, T, dtype=torch.long), targets, valid, masks, soft, lp_b, lp_e, 0)
+    ids = torch.arange(T).expand(4, T)  # the prompt's token ids: 0, 1, ..., T - 1 in every row
+    _first_misses(acc, composed, ids, targets, valid, masks, soft, lp_b, lp_e, 0)
     assert [acc[r] for r in FIRST_MISS_REGIONS] == [1, 1, 1, 1, 0] and acc["no_miss"] == 0
     assert acc["open_background_right"] == 1 and acc["pushed_most"] == {"a": 2, "b": 2}
     assert acc["inside_owner_right"] == 0  # the owner (a) raised the wrong token itself
     assert [e["region"] for e in acc["examples"]] == ["open", "inside", "after", "eos"]
-    # the reference and the top token are also decoded after the three prompt tokens before them (ids all 0 here)
+    # the reference (0) and the top token (3) are also decoded after the (up to) three tokens before them
     assert [(e["reference_in_context"], e["top_in_context"]) for e in acc["examples"]] == [
-        ("000", "003"), ("0000", "0003"), ("0000", "0003"), ("0000", "0003")]
+        ("010", "013"), ("0120", "0123"), ("2340", "2343"), ("3450", "3453")]
+    assert acc["examples"][2]["before"] == "01234"
     # each expert's log-ratio at the reference, at the composition's top token, and its median over the vocabulary
     assert acc["examples"][1]["log_ratio"] == {"a": {"reference": 0.0, "top": 7.0, "median": 0.0},
                                                "b": {"reference": 0.0, "top": 0.0, "median": 0.0}}
