@@ -14,6 +14,11 @@ the contents either kept or redrawn in the response (a foreign skill that copies
 `rewrite`, half of the redrawn contents are instead a rewrite of the prompt's by one of a fixed family of string
 transforms (`REWRITES`): the response's span then differs from the prompt's copy the way a real skill's output
 differs from its input (related to it, not independent of it), and the family is the same whatever experts exist.
+
+A composition's delimiters need not be ASCII: `⟦` is three bytes to a byte-level tokenizer, and an expert whose
+spans only ever used a few multi-byte brackets may raise a sibling byte (`⟧`, `⟒`) where the background is sure of
+the next one. `UNICODE_BRACKETS` widens the pool to every opening/closing pair Unicode places side by side
+(`task.foreign_pool: brackets+unicode`), again the same whatever experts exist.
 """
 
 from __future__ import annotations
@@ -30,19 +35,43 @@ DELIMITER_POOL: tuple[tuple[str, str], ...] = (
     ("**", "**"), ("_", "_"), ("`", "`"), ("~", "~"), ("^", "^"), ("#", "#"), ("%", "%"), ("$", "$"),
     ('"', '"'), ("'", "'"), ("/", "/"), ("\\", "\\"), ("=", "="), ("@", "@"),
 )
+# Every non-ASCII opening punctuation character (Unicode category Ps) whose next code point closes it (Pe), as of
+# Unicode 14: math and ornamental brackets, CJK and full-width brackets, vertical forms, a few scripts' own. Written
+# out rather than derived from `unicodedata`, so the pool does not move with the Python version.
+UNICODE_BRACKETS: tuple[tuple[str, str], ...] = tuple(tuple(pair) for pair in (
+    "༺༻ ༼༽ ᚛᚜ ⁅⁆ ⁽⁾ ₍₎ ⌈⌉ ⌊⌋ 〈〉 ❨❩ ❪❫ ❬❭ ❮❯ ❰❱ ❲❳ ❴❵ ⟅⟆ ⟦⟧ ⟨⟩ ⟪⟫ ⟬⟭ ⟮⟯ ⦃⦄ ⦅⦆ ⦇⦈ ⦉⦊ ⦋⦌ ⦍⦎ ⦏⦐ ⦑⦒ ⦓⦔ ⦕⦖ "
+    "⦗⦘ ⧘⧙ ⧚⧛ ⧼⧽ ⸢⸣ ⸤⸥ ⸦⸧ ⸨⸩ ⹕⹖ ⹗⹘ ⹙⹚ ⹛⹜ 〈〉 《》 「」 『』 【】 〔〕 〖〗 〘〙 〚〛 〝〞 ︗︘ ︵︶ ︷︸ ︹︺ ︻︼ ︽︾ "
+    "︿﹀ ﹁﹂ ﹃﹄ ﹇﹈ ﹙﹚ ﹛﹜ ﹝﹞ （） ｟｠ ｢｣").split())
+FOREIGN_POOLS = ("brackets", "brackets+unicode")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def delimiter_pool(own: IntervalSpec) -> list[tuple[str, str]]:
-    """The pairs of `DELIMITER_POOL` that share no character with `own`'s delimiters (for a regex spec: that
-    its start and end patterns match nowhere in them)."""
+def delimiter_pool(own: IntervalSpec, pairs: Sequence[tuple[str, str]] = DELIMITER_POOL,
+                   exclude: str = "") -> list[tuple[str, str]]:
+    """The pairs of `pairs` that share no character with `own`'s delimiters (for a regex spec: that its start
+    and end patterns match nowhere in them) nor with `exclude`."""
+    pairs = [(a, b) for a, b in pairs if not (set(a) | set(b)) & set(exclude)]
     if own.regex:
         import re
 
-        return [(a, b) for a, b in DELIMITER_POOL
-                if not any(re.search(p, a + " " + b) for p in (own.start, own.end))]
+        return [(a, b) for a, b in pairs if not any(re.search(p, a + " " + b) for p in (own.start, own.end))]
     used = set(own.start) | set(own.end)
-    return [(a, b) for a, b in DELIMITER_POOL if not (set(a) | set(b)) & used]
+    return [(a, b) for a, b in pairs if not (set(a) | set(b)) & used]
+
+
+def expert_pool(own: IntervalSpec, kind: str = "brackets", exclude: str = "") -> list[tuple[str, str]]:
+    """The delimiter pairs an expert's foreign spans draw from (`task.foreign_pool`): `brackets`, the pairs of
+    `DELIMITER_POOL` free of `own`; `brackets+unicode`, those and the free pairs of `UNICODE_BRACKETS`, each half
+    drawn as often as the other (a pair listed once per pair of the other half), so the common ASCII brackets keep
+    their share. `exclude`: characters no pair may hold (a delimiter kept out of every expert's rows, to check
+    that composition does not rest on the pool holding it)."""
+    if kind not in FOREIGN_POOLS:
+        raise ValueError(f"unknown foreign span pool {kind!r}; choose one of {', '.join(FOREIGN_POOLS)}")
+    ascii_pairs = delimiter_pool(own, DELIMITER_POOL, exclude)
+    if kind == "brackets":
+        return ascii_pairs
+    wide = [pair for pair in delimiter_pool(own, UNICODE_BRACKETS, exclude) if pair not in ascii_pairs]
+    return [p for p in ascii_pairs for _ in wide] + [p for p in wide for _ in ascii_pairs] or ascii_pairs + wide
 
 
 def random_content(rng: random.Random, words: Sequence[str] = ()) -> str:

@@ -17,7 +17,9 @@ from compose.intervals import IntervalSpec, interval_char_spans
 from data.foreign_spans import (
     DELIMITER_POOL,
     REWRITES,
+    UNICODE_BRACKETS,
     delimiter_pool,
+    expert_pool,
     insert_foreign_spans,
     random_content,
     rewrite_content,
@@ -126,6 +128,38 @@ def test_foreign_rewrites_reach_the_experts_rows_but_not_the_backgrounds(tok):
     rewriting = make_task(tok, config(background_spans=True, foreign_rewrites=True), reg_data="own+foreign")
     assert plain.background_dataset("train")["y"] == rewriting.background_dataset("train")["y"]
     assert plain.expert_dataset("train")["y"] != rewriting.expert_dataset("train")["y"]
+
+
+def test_the_unicode_pool_adds_multi_byte_brackets_as_often_as_the_ascii_ones():
+    import unicodedata
+
+    assert len(UNICODE_BRACKETS) == 70 and all(len(a) == len(b) == 1 for a, b in UNICODE_BRACKETS)
+    assert all(unicodedata.category(a) == "Ps" and unicodedata.category(b) == "Pe" and ord(b) == ord(a) + 1
+               for a, b in UNICODE_BRACKETS)
+    assert expert_pool(CALC_SPEC) == delimiter_pool(CALC_SPEC)  # the default draws as before
+    wide = expert_pool(CALC_SPEC, "brackets+unicode")
+    ascii_share = sum(pair in DELIMITER_POOL for pair in wide) / len(wide)
+    assert ascii_share == 0.5 and ("⟦", "⟧") in wide and ("<", ">") not in wide
+    kept_out = expert_pool(CALC_SPEC, "brackets+unicode", exclude="⟦⟧")
+    assert ("⟦", "⟧") not in kept_out and ("⟨", "⟩") in kept_out and ("[", "]") in kept_out
+    assert all(not ({*a, *b} & {"⟦", "⟧"}) for a, b in kept_out)
+    with pytest.raises(ValueError, match="unknown foreign span pool 'emoji'"):
+        expert_pool(CALC_SPEC, "emoji")
+
+
+def test_the_unicode_pool_reaches_the_experts_rows_but_not_the_backgrounds(tok):
+    plain = make_task(tok, config(background_spans=True), reg_data="own+foreign")
+    wide = make_task(tok, config(background_spans=True, foreign_pool="brackets+unicode", foreign_exclude="⟦⟧"),
+                     reg_data="own+foreign")
+    assert plain.background_dataset("train")["y"] == wide.background_dataset("train")["y"]
+    rows = wide.expert_dataset("train")["y"]
+    assert rows != plain.expert_dataset("train")["y"]
+    assert any(a in y for y in rows for a, _ in UNICODE_BRACKETS) and not any("⟦" in y or "⟧" in y for y in rows)
+    with pytest.raises(TaskError, match="task.foreign_pool must be one of brackets, brackets\+unicode"):
+        config(foreign_pool="unicode")
+    with pytest.raises(TaskError, match="expert 'calc': no foreign span delimiter pair is free"):
+        every = "".join(a + b for a, b in DELIMITER_POOL + UNICODE_BRACKETS)
+        make_task(tok, config(foreign_exclude=every), reg_data="own+foreign").expert_dataset("train")
 
 
 def test_foreign_words_come_from_the_general_training_rows(tok):

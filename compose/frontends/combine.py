@@ -71,7 +71,7 @@ from lightning_modules.pipeline.report import add_intervals
 # rows) or the run's own length sweep (`eval_lengths`, `n_per_length`): exports whose runs differ in them still
 # share one compositional test set.
 TRAINING_ONLY_SETTINGS = ("n_train", "source_prob", "foreign_spans", "foreign_words", "foreign_rewrites",
-                          "background_spans", "eval_lengths", "n_per_length")
+                          "foreign_pool", "foreign_exclude", "background_spans", "eval_lengths", "n_per_length")
 # Text-task settings that shape only the held-out evaluation of a run (its compositional rows, how many held-out
 # rows it decodes): an expert trained later brings compositional rows that need its skill. The first export's are
 # kept (change them with `test_settings`).

@@ -37,7 +37,7 @@ from compose.intervals import IntervalSpec, check_balanced, interval_char_spans,
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
-from data.foreign_spans import insert_foreign_spans, start_delimiter_length
+from data.foreign_spans import FOREIGN_POOLS, expert_pool, insert_foreign_spans, start_delimiter_length
 from data.generation import greedy_decode
 from data.rows import DataFileError, one_line, read_rows
 from data.splits import derive_seed
@@ -99,6 +99,12 @@ class TextConfig:
             dropped, letters sorted, letters doubled: `data.foreign_spans.REWRITES`) instead of a fresh draw, as a
             real skill's output is a function of its input. The background's rows (`background_spans`) are
             unchanged, so a tuned background serves runs with and without it.
+        foreign_pool: the delimiter pairs of the experts' random spans (`data.foreign_spans.expert_pool`):
+            `brackets`, a fixed pool of ASCII and common bracket pairs; `brackets+unicode`, those and, as often,
+            every opening/closing pair Unicode places side by side (`⟦⟧`, `⦃⦄`, `〔〕`...), so that an expert meets
+            the continuation bytes of many multi-byte delimiters. The background's rows keep `brackets`.
+        foreign_exclude: characters no expert's random span delimiter holds (e.g. a later expert's delimiter, to
+            show that composing with it does not rest on the pool holding it).
         background_spans: the background's training rows are the general rows and, besides each, the same row
             with random foreign spans from the whole delimiter pool (`task.foreign_spans` of them; contents kept or
             redrawn in the response): a background tuned to the rows' format, spans included, so that no expert
@@ -127,6 +133,8 @@ class TextConfig:
     foreign_spans: list[int] = field(default_factory=lambda: [1, 2])
     foreign_words: bool = False
     foreign_rewrites: bool = False
+    foreign_pool: str = "brackets"
+    foreign_exclude: str = ""
     background_spans: bool = False
     cross_eval: bool = False
 
@@ -151,6 +159,8 @@ class TextConfig:
                 or not 1 <= spans[0] <= spans[1]:
             raise TaskError(f"task.foreign_spans must be [min, max] whole counts with 1 <= min <= max, got {spans!r}")
         self.foreign_spans = spans
+        if self.foreign_pool not in FOREIGN_POOLS:
+            raise TaskError(f"task.foreign_pool must be one of {', '.join(FOREIGN_POOLS)}, got {self.foreign_pool!r}")
 
 
 @dataclass(frozen=True)
@@ -667,8 +677,12 @@ class TextTask(Task):
         general = self._regularizer_examples(name, (n + 1) // 2, self.general["train"])
         own = self._regularizer_examples(name, n // 2, self.own[name]["train"])
         sources = [(enc, i % 2 == 1) for i, enc in enumerate(_interleave(general, own))]
+        pool = expert_pool(spec, self.cfg.foreign_pool, self.cfg.foreign_exclude)
+        if not pool:
+            raise TaskError(f"expert {name!r}: no foreign span delimiter pair is free of its own delimiters "
+                            f"({spec.start!r}, {spec.end!r}) and of task.foreign_exclude {self.cfg.foreign_exclude!r}")
         encoded = self.spanned([enc for enc, _ in sources], spec, derive_seed(self.seed, "text", "foreign", name),
-                               rewrite=self.cfg.foreign_rewrites)
+                               pool=pool, rewrite=self.cfg.foreign_rewrites)
         return [(enc, from_own) for enc, (_, from_own) in zip(encoded, sources, strict=True)
                 if len(enc) <= self.cfg.max_length]
 
