@@ -254,6 +254,7 @@ class ComposedLM(nn.Module):
         one_head: bool | None = None,
         shared_trunk: bool | None = None,
         lazy: bool | str = False,
+        min_logprob: float = -1e4,
     ) -> ComposedLM:
         """Load an export folder (see :func:`compose.export.export_composition`).
 
@@ -261,11 +262,11 @@ class ComposedLM(nn.Module):
         ``backend="adapters"`` loads every LoRA expert into one PeftModel; ``backend="separate"`` merges
         each LoRA into its own full copy of the background. Full-model experts need ``"separate"``.
         ``composition="gated"`` gates each expert by the ``interval`` of its stored spec. ``one_head``,
-        ``shared_trunk`` and ``lazy`` are the constructor's (:attr:`paths`).
+        ``shared_trunk``, ``lazy`` and ``min_logprob`` are the constructor's (:attr:`paths`).
         """
         loaded = load_export(path, backend=backend)
         common = dict(weights=loaded.weights, tokenizer=loaded.tokenizer, specs=loaded.specs, composition=composition,
-                      one_head=one_head, shared_trunk=shared_trunk, lazy=lazy)
+                      one_head=one_head, shared_trunk=shared_trunk, lazy=lazy, min_logprob=min_logprob)
         if isinstance(loaded.experts, list):
             composed = cls(loaded.background, loaded.experts, names=loaded.names, **common)
         else:

@@ -89,6 +89,15 @@ def test_separate_runs_combine_into_one_export_that_composes_as_one_model(runs, 
     assert again["experts"] == ["A_to_B", "C_to_D"] and again["n_test"] == 8
     with pytest.raises(CombineError, match="exists"):
         combine_exports([e0, e1], out)
+    # a floor on the components' log-probs reaches the composition evaluated: the reference with that floor
+    floored = combine_exports([e0, e1], limit=8, batch_size=8, min_logprob=-2.0)
+    reference.min_logprob = -2.0
+    expected = task.composition_metrics(reference, task.compositional_dataset("test").select(range(8)), 8)
+    assert floored["min_logprob"] == -2.0 and floored["metrics"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert floored["metrics"] != combine_exports([e0, e1], limit=8, batch_size=8)["metrics"]  # the floor is reached
+    assert ComposedLM.from_manifest(out, min_logprob=-2.0).min_logprob == -2.0
+    with pytest.raises(CombineError, match="min_logprob=0.5: must be a negative log-probability"):
+        combine_exports([e0, e1], min_logprob=0.5)
 
 
 def test_cli_prints_and_writes_the_metrics(runs, tmp_path, capsys):

@@ -328,12 +328,15 @@ def assemble(combination: Combination, folder: Path, background: str = "copy", e
     return write_manifest(folder, background_entry, experts, {**provenance, **(extra or {})})
 
 
-def load_composed(folder: Path, *, composition: str = "soft", device: str | torch.device | None = None) -> ComposedLM:
-    """`ComposedLM.from_manifest` of a combined export: one PeftModel when every expert is LoRA, else separate."""
+def load_composed(folder: Path, *, composition: str = "soft", device: str | torch.device | None = None,
+                  min_logprob: float = -1e4) -> ComposedLM:
+    """`ComposedLM.from_manifest` of a combined export: one PeftModel when every expert is LoRA, else separate;
+    `min_logprob`: the floor on every component's log-probs (`compose.operator.compose_logprobs`)."""
     kinds = {e["kind"] for e in load_manifest(folder)["experts"]}
     backend = "adapters" if kinds == {"lora"} else "separate"
     # gated: an expert runs only while its interval is open (ignored when soft)
-    return ComposedLM.from_manifest(folder, backend=backend, device=device, composition=composition, lazy=True)
+    return ComposedLM.from_manifest(folder, backend=backend, device=device, composition=composition, lazy=True,
+                                    min_logprob=min_logprob)
 
 
 def _test_rows(combination: Combination, limit: int | None):
@@ -442,12 +445,13 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
                     seed: int | None = None, background: str = "copy", overwrite: bool = False,
                     device: str | torch.device | None = None, active_threshold: float = 0.01,
                     allow_overlap: bool = False, test_settings: Mapping[str, Any] | None = None,
-                    compare_with: Sequence[str] = (), decode_only: bool = False) -> dict:
+                    compare_with: Sequence[str] = (), decode_only: bool = False, min_logprob: float = -1e4) -> dict:
     """Check the exports compose (`check_exports`), evaluate their composition on the task's compositional test
     split, and with `out` write the combined export (atomically, evaluated from its own files before it is moved
     into place; `metrics.json` inside). Without `out`, the composition is loaded from a scratch export that
     references the first export's background. `compare_with`: other methods decoded on the same rows (`compare`),
     under `"compare"`. `decode_only`: no teacher-forced metrics at all (exact match and skill accuracy only).
+    `min_logprob`: the floor on the components' log-probs of the composition evaluated (`compose_logprobs`).
 
     Returns:
         `{"exports", "experts", "k", "task", "seed", "composition", "n_test", "metrics", "notes", "out"}` (and
@@ -462,6 +466,8 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
     for key, value in (("limit", limit), ("batch_size", batch_size)):
         if value is not None and value < 1:
             raise CombineError(f"{key}={value}: must be an integer >= 1")
+    if not min_logprob < 0:
+        raise CombineError(f"min_logprob={min_logprob}: must be a negative log-probability")
     if background not in BACKGROUND_MODES:
         raise CombineError(f"background={background!r} is not one of {', '.join(BACKGROUND_MODES)}")
     if out is not None and Path(out).exists() and not overwrite:
@@ -470,11 +476,11 @@ def combine_exports(paths: Sequence[str | os.PathLike], out: str | os.PathLike |
     result: dict[str, Any] = {
         "exports": [str(s.root) for s in combination.sources], "experts": combination.names,
         "k": len(combination.names), "task": combination.settings["name"], "seed": combination.seed,
-        "composition": composition,
+        "composition": composition, "min_logprob": min_logprob,
     }
 
     def run(folder: Path) -> None:
-        composed = load_composed(folder, composition=composition, device=device)
+        composed = load_composed(folder, composition=composition, device=device, min_logprob=min_logprob)
         result["decoding_paths"] = dataclasses.asdict(composed.paths)  # the exact shortcuts it takes (ComposedLM.paths)
         print(f"[combine] {', '.join(combination.names)}: {composition} composition on the compositional test rows "
               f"({composed.paths.describe()})", flush=True)
@@ -532,6 +538,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="decoding metrics only (exact match, skill accuracy): no teacher-forced pass, which on long "
                         "prompts costs several times the decoding")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--min_logprob", type=float, default=-1e4,
+                   help="floor on every component's log-probs before the rule (default -1e4: none in practice); "
+                        "the composition under test only, not --compare's methods")
     return p
 
 
@@ -551,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  batch_size=args.batch_size, seed=args.seed, background=args.background,
                                  overwrite=args.overwrite, device=device, allow_overlap=args.allow_overlap,
                                  test_settings=test_settings, compare_with=args.compare,
-                                 decode_only=args.decode_only)
+                                 decode_only=args.decode_only, min_logprob=args.min_logprob)
     except (CombineError, FileExistsError) as err:
         print(f"compose.combine: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
