@@ -33,6 +33,10 @@ side's most likely token (about what the shifts of a few experts can add up to i
 TAIL_TOKENS = 32
 """``tail_log_ratio``: this many tokens spread evenly over the vocabulary are compared beside the plausible ones."""
 
+AMPLIFIED_COPIES = 5
+"""``amplified_kl``: the number of copies of the expert composed with the background (the rule multiplies in one
+ratio ``p_i / p_b`` per expert, so experts that drift alike add their drifts this many times)."""
+
 LogprobDivergence = Callable[..., Tensor]
 """``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
 (``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it). A
@@ -141,6 +145,13 @@ def divergence(
       neither the background nor this expert finds plausible (a reversed word); an expert that pulls such a
       token down pulls it down in the composition, and ``plausible_log_ratio`` does not see it. Rows whose text
       holds such tokens (random foreign spans, `data.foreign_spans`) then hold the expert to the background there.
+
+    - ``"amplified_kl"``: ``KL(p_b ‖ p_K) / K`` with ``p_K ∝ p_b · (p_i / p_b)^K``, ``K = AMPLIFIED_COPIES``: the
+      forward KL of the background to the composition of ``K`` copies of the expert, per copy. Where the background
+      is sure of one token, an expert that raises another by ``δ`` nats costs next to nothing in KL, but ``K``
+      experts that do alike flip the composition once ``K·δ`` passes the background's margin; this divergence sees
+      that flip. For small drifts it is about ``K`` times the forward KL.
+    - ``"tail_amplified_kl"``: ``tail_log_ratio`` plus ``amplified_kl``.
 
     The result is not rescaled by ``T²``.
 
@@ -271,3 +282,19 @@ def tail_log_ratio_variance(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) ->
     composition. The spread tokens stand for the tail, which then weighs as much as the plausible tokens."""
     tokens = _plausible(lp_i, lp_b).scatter_(-1, _vocabulary_spread(lp_b, TAIL_TOKENS), True)
     return _log_ratio_variance_over(lp_i, lp_b, tokens)
+
+
+@register_divergence("amplified_kl", cacheable=False)
+def amplified_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5, copies: float = AMPLIFIED_COPIES) -> Tensor:
+    """``KL(p_b ‖ p_K) / K``, ``log p_K = log_softmax(lp_b + K·(lp_i − lp_b))``, ``K = copies`` (log-probs floored at
+    ``LOG_RATIO_FLOOR``): the background against ``K`` copies of the expert composed by the product rule."""
+    lp_b, lp_i = lp_b.clamp_min(LOG_RATIO_FLOOR), lp_i.clamp_min(LOG_RATIO_FLOOR)
+    lp_k = (lp_b + copies * (lp_i - lp_b)).log_softmax(-1)
+    return _kl(lp_b, lp_k) / copies
+
+
+@register_divergence("tail_amplified_kl", cacheable=False)
+def tail_amplified_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``tail_log_ratio_variance + amplified_kl``: the tail kept and the flips of ``AMPLIFIED_COPIES`` alike experts
+    seen where the background is sure."""
+    return tail_log_ratio_variance(lp_i, lp_b) + amplified_kl(lp_i, lp_b)

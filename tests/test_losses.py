@@ -326,6 +326,33 @@ def test_tail_log_ratio_sees_an_expert_that_raises_the_whole_tail(monkeypatch):
     assert divergence(background, background, "tail_log_ratio").abs().max().item() < 1e-6
 
 
+def test_amplified_kl_sees_alike_experts_flip_a_sure_position():
+    from losses.divergences import AMPLIFIED_COPIES, amplified_kl
+
+    # the background is sure of token 0 (12 nats over token 1); the expert keeps token 0 and raises token 1 by 3
+    # nats: KL hardly moves, but AMPLIFIED_COPIES = 5 such experts give token 1 15 nats and the composition flips
+    background = torch.full((1, 50), -40.0)
+    background[0, 0], background[0, 1] = 0.0, -12.0
+    expert = background.clone()
+    expert[0, 1] += 3.0
+    assert AMPLIFIED_COPIES == 5
+    lp_i, lp_b = expert.log_softmax(-1), background.log_softmax(-1)
+    kl = divergence(expert, background, "forward_kl").item()
+    got = divergence(expert, background, "amplified_kl").item()
+    composed = (lp_b + 5 * (lp_i - lp_b)).log_softmax(-1)  # the rule with five copies of the expert
+    assert composed[0].argmax().item() == 1
+    assert got == pytest.approx((lp_b.exp() * (lp_b - composed)).sum().item() / 5, rel=1e-5)
+    assert kl < 1e-3 < 0.3 < got
+    # one copy is the forward KL; no drift, or a drift by a constant per position, costs nothing
+    assert amplified_kl(lp_i, lp_b, copies=1).item() == pytest.approx(kl, rel=1e-5)
+    assert divergence(background + 7.0, background, "amplified_kl").abs().item() < 1e-6
+    both = divergence(expert, background, "tail_amplified_kl").item()
+    assert both == pytest.approx(got + divergence(expert, background, "tail_log_ratio").item(), rel=1e-5)
+    logits = expert.clone().requires_grad_()
+    divergence(logits, background, "tail_amplified_kl").sum().backward()
+    assert logits.grad[0, 1] > 0  # descending lowers the raised token
+
+
 def test_off_mask_divergence_passes_each_positions_written_token():
     expert, background = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
