@@ -152,6 +152,10 @@ def divergence(
       experts that do alike flip the composition once ``K·δ`` passes the background's margin; this divergence sees
       that flip. For small drifts it is about ``K`` times the forward KL.
     - ``"tail_amplified_kl"``: ``tail_log_ratio`` plus ``amplified_kl``.
+    - ``"flip_kl"``: ``amplified_kl / K``, i.e. ``KL(p_b ‖ p_K) / K²``: to second order the forward KL where the
+      expert differs little (so it weighs no more than the KL elsewhere), and still the flip of ``K`` alike
+      experts where the background is sure.
+    - ``"tail_flip_kl"``: ``tail_log_ratio`` plus ``flip_kl``.
 
     The result is not rescaled by ``T²``.
 
@@ -298,3 +302,16 @@ def tail_amplified_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tenso
     """``tail_log_ratio_variance + amplified_kl``: the tail kept and the flips of ``AMPLIFIED_COPIES`` alike experts
     seen where the background is sure."""
     return tail_log_ratio_variance(lp_i, lp_b) + amplified_kl(lp_i, lp_b)
+
+
+@register_divergence("flip_kl", cacheable=False)
+def flip_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5, copies: float = AMPLIFIED_COPIES) -> Tensor:
+    """``KL(p_b ‖ p_K) / K²`` (``amplified_kl`` per copy once more): small drifts cost their forward KL, since
+    ``KL(p_b ‖ p_K) ≈ K² · KL(p_b ‖ p_i)`` to second order, while a flip by ``K`` alike experts still shows."""
+    return amplified_kl(lp_i, lp_b, copies=copies) / copies
+
+
+@register_divergence("tail_flip_kl", cacheable=False)
+def tail_flip_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``tail_log_ratio_variance + flip_kl``."""
+    return tail_log_ratio_variance(lp_i, lp_b) + flip_kl(lp_i, lp_b)

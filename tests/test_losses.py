@@ -353,6 +353,25 @@ def test_amplified_kl_sees_alike_experts_flip_a_sure_position():
     assert logits.grad[0, 1] > 0  # descending lowers the raised token
 
 
+def test_flip_kl_is_the_forward_kl_for_small_drifts_and_sees_a_flip():
+    torch.manual_seed(0)
+    background = torch.randn(4, 30)
+    small = background + 0.01 * torch.randn(4, 30)
+    kl = divergence(small, background, "forward_kl")
+    assert torch.allclose(divergence(small, background, "flip_kl"), kl, rtol=0.1)
+    assert not torch.allclose(divergence(small, background, "amplified_kl"), kl, rtol=0.1)  # about 5× the KL
+    # the sure position of the amplified test: the forward KL misses the flip, flip_kl sees it
+    sure = torch.full((1, 50), -40.0)
+    sure[0, 0], sure[0, 1] = 0.0, -12.0
+    raised = sure.clone()
+    raised[0, 1] += 3.0
+    flip = divergence(raised, sure, "flip_kl").item()
+    assert flip == pytest.approx(divergence(raised, sure, "amplified_kl").item() / 5, rel=1e-5)
+    assert divergence(raised, sure, "forward_kl").item() < 1e-3 < 0.05 < flip
+    both = divergence(raised, sure, "tail_flip_kl").item()
+    assert both == pytest.approx(flip + divergence(raised, sure, "tail_log_ratio").item(), rel=1e-5)
+
+
 def test_off_mask_divergence_passes_each_positions_written_token():
     expert, background = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
