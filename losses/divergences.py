@@ -37,6 +37,10 @@ AMPLIFIED_COPIES = 5
 """``amplified_kl``: the number of copies of the expert composed with the background (the rule multiplies in one
 ratio ``p_i / p_b`` per expert, so experts that drift alike add their drifts this many times)."""
 
+SURE_PROB = 0.9
+"""``sure_amplified_kl``: a position counts as sure when the background gives its most likely token at least this
+probability."""
+
 LogprobDivergence = Callable[..., Tensor]
 """``fn(lp_i, lp_b, *, beta) -> [...]``: a divergence from normalized log-probs ``[..., V]`` of the expert
 (``lp_i``) and of the background (``lp_b``); ``beta`` is the JSD mixture weight (other divergences ignore it). A
@@ -156,6 +160,10 @@ def divergence(
       expert differs little (so it weighs no more than the KL elsewhere), and still the flip of ``K`` alike
       experts where the background is sure.
     - ``"tail_flip_kl"``: ``tail_log_ratio`` plus ``flip_kl``.
+    - ``"sure_amplified_kl"``: ``amplified_kl`` where the background is sure (its top token at least ``SURE_PROB``),
+      0 elsewhere: the flips of alike experts are looked for only where the background has one answer, and the
+      unsure positions keep the weight the other divergence gives them.
+    - ``"tail_sure_amplified_kl"``: ``tail_log_ratio`` plus ``sure_amplified_kl``.
 
     The result is not rescaled by ``T²``.
 
@@ -315,3 +323,16 @@ def flip_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5, copies: float = AM
 def tail_flip_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
     """``tail_log_ratio_variance + flip_kl``."""
     return tail_log_ratio_variance(lp_i, lp_b) + flip_kl(lp_i, lp_b)
+
+
+@register_divergence("sure_amplified_kl", cacheable=False)
+def sure_amplified_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``amplified_kl`` at the positions where the background's top token has at least ``SURE_PROB``, else 0."""
+    sure = lp_b.detach().amax(-1) >= math.log(SURE_PROB)
+    return amplified_kl(lp_i, lp_b).where(sure, 0.0)
+
+
+@register_divergence("tail_sure_amplified_kl", cacheable=False)
+def tail_sure_amplified_kl(lp_i: Tensor, lp_b: Tensor, *, beta: float = 0.5) -> Tensor:
+    """``tail_log_ratio_variance + sure_amplified_kl``."""
+    return tail_log_ratio_variance(lp_i, lp_b) + sure_amplified_kl(lp_i, lp_b)

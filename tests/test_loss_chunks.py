@@ -73,7 +73,7 @@ def assert_same_step(m: ExpertLM, chunks=(1, 3, 4, T, 64), data=None) -> None:
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "log_ratio", "plausible_log_ratio",
                                         "written_log_ratio", "tail_log_ratio", "tail_amplified_kl",
-                                        "tail_flip_kl"])
+                                        "tail_flip_kl", "tail_sure_amplified_kl"])
 def test_chunked_lora_losses_and_gradients_equal_the_plain_ones(divergence):
     assert_same_step(module(divergence=divergence, temperature=2.0, jsd_beta=0.3))
 

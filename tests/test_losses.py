@@ -372,6 +372,21 @@ def test_flip_kl_is_the_forward_kl_for_small_drifts_and_sees_a_flip():
     assert both == pytest.approx(flip + divergence(raised, sure, "tail_log_ratio").item(), rel=1e-5)
 
 
+def test_sure_amplified_kl_counts_only_where_the_background_is_sure():
+    sure = torch.full((50,), -40.0)
+    sure[0], sure[1] = 0.0, -12.0
+    unsure = torch.zeros(50)
+    background = torch.stack([sure, unsure])
+    expert = background.clone()
+    expert[:, 1] += 3.0
+    amplified = divergence(expert, background, "amplified_kl")
+    got = divergence(expert, background, "sure_amplified_kl")
+    assert got[0].item() == pytest.approx(amplified[0].item(), rel=1e-5) and got[0].item() > 0.3
+    assert got[1].item() == 0.0 < amplified[1].item()
+    both = divergence(expert, background, "tail_sure_amplified_kl")
+    assert torch.allclose(both, got + divergence(expert, background, "tail_log_ratio"), rtol=1e-5)
+
+
 def test_off_mask_divergence_passes_each_positions_written_token():
     expert, background = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
