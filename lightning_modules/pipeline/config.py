@@ -170,7 +170,7 @@ class ExpertTrainingConfig:
     reg_after_close: float = ExpertSettings.reg_after_close
     reg_inside_foreign: float = ExpertSettings.reg_inside_foreign
     reg_at_open: float = ExpertSettings.reg_at_open  # ... the position predicting where a span opens
-    divergence: str = ExpertSettings.divergence  # a name in losses.DIVERGENCES (forward_kl, ..., tail_flip_kl)
+    divergence: str = ExpertSettings.divergence  # a name in losses.DIVERGENCES (forward_kl, ..., tail_sure_amplified_kl)
     jsd_beta: float = ExpertSettings.jsd_beta
     temperature: float = ExpertSettings.temperature  # the divergence compares p_b and p_i at this softmax temperature
     # own | background | composition (own rows + composed prefixes: co-training) | own+background |
