@@ -5,6 +5,9 @@
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
     python scripts/make_skill_data.py --out configs/experiment/data/skills4 --seed 0 \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper --late unit
+    python scripts/make_skill_data.py --out configs/experiment/data/skills4_late_angle --seed 0 \\
+        --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper --late unit \\
+        --late_delimiters ⟨ ⟩
     python scripts/make_skill_data.py --out configs/experiment/data/skills4_plain --seed 0 --format plain \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
 
@@ -15,7 +18,8 @@ write the rows of `configs/experiment/smollm2_skills.yaml` (two skills; defaults
 for `configs/experiment/gemma3_skills4.yaml` and `gemma3_skills4_k2.yaml`. The third command adds, next to the
 four-skill files and without rewriting them, the rows of a fifth expert trained after those four: `unit.jsonl`
 (608 rows) and `compositional_late.jsonl` (800 rows, each needing `unit` and one to three of the four others),
-the test set of the composition of all five. Every file is byte for byte the same for the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
+the test set of the composition of all five. The fourth writes those two files again with `unit`'s span in `⟨…⟩`
+(a pair of the experts' random-span pool) instead of `⟦…⟧`, every draw the same. Every file is byte for byte the same for the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
 The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
 
@@ -82,6 +86,7 @@ line: two skills sharing a delimiter, or a skill whose verifier rejects a row wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -271,7 +276,7 @@ def make_rows(kind: str, n: int, seed: int | str, skills: dict[str, Skill], seen
 
 def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 240, n_compositional: int = 48,
              pairs: Sequence[Sequence[str]] = (), row_format: str = "chat",
-             late: Skill | None = None) -> dict[str, int]:
+             late: Skill | None = None, late_delimiters: tuple[str, str] | None = None) -> dict[str, int]:
     """Write `general.jsonl`, `compositional.jsonl` and one `<skill>.jsonl` per skill into `out`, and for each
     pair `(a, b)` of `pairs` a `compositional_a_b.jsonl` of `n_compositional` rows needing exactly those two
     skills; every row is drawn and checked before the first file is written. `row_format`: "chat" (`messages`
@@ -280,6 +285,9 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
     With `late` (a skill not in `skills`, for an expert trained after theirs), write only `<late>.jsonl` (`n` rows)
     and `compositional_late.jsonl` (`n_compositional` rows, each needing `late` and 1 to `LATE_OTHERS` of
     `skills`): the other files are drawn as above but not written, so that no new sentence repeats one of theirs.
+    `late_delimiters` (start, end) write the same late rows with those delimiters instead of the skill's own
+    (every draw unchanged: the same sentences, spans and order), e.g. a pair the earlier experts' random spans
+    already used.
 
     Raises:
         SkillError: two skills sharing a delimiter, a verifier rejecting a reference row, too few distinct rows,
@@ -288,6 +296,8 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
     order = [s.name for s in skills]
     if late is not None and late.name in order:
         raise SkillError(f"--late {late.name}: name a skill that is not one of {', '.join(order)}")
+    if late_delimiters is not None and late is None:
+        raise SkillError("--late_delimiters needs --late")
     every = [*skills, *([late] if late is not None else [])]
     check_skills(every)
     by_name = {s.name: s for s in skills}
@@ -309,12 +319,26 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
         files = {late.name: make_rows(late.name, n, seed, with_late, seen),
                  "compositional_late": make_rows("compositional_late", n_compositional, seed, with_late, seen,
                                                  late.name)}
+        if late_delimiters is not None:
+            moved = dataclasses.replace(late, start=late_delimiters[0], end=late_delimiters[1])
+            check_skills([*skills, moved])
+            swap = str.maketrans({late.start: moved.start, late.end: moved.end}) if len(late.start) == len(
+                late.end) == 1 else None
+            for kind, rows in files.items():
+                files[kind] = [tuple(_move(text, late, moved, swap) for text in row) for row in rows]
+                for i, (line, response) in enumerate(files[kind]):
+                    check_row([*skills, moved], line, response, f"{kind}.jsonl row {i + 1}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, rows in files.items():
         text = "".join(json.dumps(ROW_FORMATS[row_format](*row), ensure_ascii=False) + "\n" for row in rows)
         (out / f"{kind}.jsonl").write_text(text, encoding="utf-8")
     return {kind: len(rows) for kind, rows in files.items()}
+
+
+def _move(text: str, old: Skill, new: Skill, swap: dict | None) -> str:
+    """`text` with `old`'s delimiters written as `new`'s."""
+    return text.translate(swap) if swap else text.replace(old.start, new.start).replace(old.end, new.end)
 
 
 def measure_background(names: Sequence[str], rows: int = 40, shots: int = 4, seed: int = 0,
@@ -367,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="a skill whose expert is trained after those of --skills: write only SKILL.jsonl (--n "
                              "rows) and compositional_late.jsonl (--n_compositional rows, each needing SKILL and 1 to "
                              f"{LATE_OTHERS} of --skills), no sentence repeating one of the files written without it")
+    parser.add_argument("--late_delimiters", nargs=2, metavar=("START", "END"),
+                        help="write the --late rows with these delimiters instead of the skill's own (the same "
+                             "draws), e.g. a pair of the experts' random-span pool")
     parser.add_argument("--format", choices=list(ROW_FORMATS), default="chat", dest="row_format",
                         help="chat: messages rows (a chat model's template renders them); plain: prompt/response "
                              "rows in a plain text template, for a base model with no chat template")
@@ -383,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         skills = [make_skill(name, args.op) for name in args.skills]
         late = make_skill(args.late, args.op) if args.late else None
         for kind, count in generate(args.out, skills, args.seed, args.n, args.n_compositional, args.pair,
-                                     args.row_format, late).items():
+                                     args.row_format, late,
+                                     tuple(args.late_delimiters) if args.late_delimiters else None).items():
             print(f"{Path(args.out) / f'{kind}.jsonl'}: {count} rows")
     except SkillError as err:
         raise SystemExit(f"make_skill_data: {err}") from None

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "experiment" / "smollm2_skills4.yaml"
 CONFIG_K2 = ROOT / "configs" / "experiment" / "smollm2_skills4_k2.yaml"
 DATA = ROOT / "configs" / "experiment" / "data" / "skills4"
+DATA_ANGLE = ROOT / "configs" / "experiment" / "data" / "skills4_late_angle"  # the fifth expert's rows in ⟨ ⟩
 SKILLS = {name: make_skill(name) for name in SKILL_NAMES}
 FOUR = ("calc", "upper", "reverse", "translate")
 ARGS = ["--seed", "0", "--skills", *FOUR, "--n", "608", "--n_compositional", "800", "--pair", "calc", "upper"]
@@ -142,6 +143,28 @@ def test_generator_reproduces_the_committed_four_skill_rows(tmp_path):
         assert written.read_bytes() == path.read_bytes(), path.name
     names = [p.name for p in (tmp_path / "four").iterdir()] + list(LATE_FILES)
     assert sorted(names) == sorted(p.name for p in DATA.glob("*.jsonl"))
+
+
+def test_late_delimiters_move_the_same_rows_to_another_pair(tmp_path):
+    from scripts.make_skill_data import main
+
+    main(["--out", str(tmp_path / "angle"), *ARGS, "--late", "unit", "--late_delimiters", "⟨", "⟩"])
+    moved = replace(SKILLS["unit"], start="⟨", end="⟩")
+    skills = [*(SKILLS[name] for name in FOUR), moved]
+    for name in LATE_FILES:
+        written = (tmp_path / "angle" / name).read_text(encoding="utf-8")
+        assert written.encode() == (DATA_ANGLE / name).read_bytes(), name
+        # the same draws: only the late skill's delimiters differ from the committed rows
+        assert written.replace("⟨", "⟦").replace("⟩", "⟧") == (DATA / name).read_text(encoding="utf-8")
+        for n, (line, answer) in enumerate(read(tmp_path / "angle" / name), 1):
+            check_row(skills, line, answer, f"{name} row {n}")
+            assert moved.spans(line) and "⟦" not in line + answer
+    # a pair one of the others owns is refused before anything is written
+    with pytest.raises(SystemExit, match=r"^make_skill_data: skills 'upper' and 'unit' share the delimiter '\['"):
+        main(["--out", str(tmp_path / "bad"), *ARGS, "--late", "unit", "--late_delimiters", "[", ")"])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit, match=r"^make_skill_data: --late_delimiters needs --late$"):
+        main(["--out", str(tmp_path / "bad"), *ARGS, "--late_delimiters", "⟨", "⟩"])
 
 
 def test_late_skill_rows_all_need_it_and_repeat_no_other_file(tmp_path):
