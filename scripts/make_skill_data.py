@@ -7,7 +7,7 @@
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper --late unit
     python scripts/make_skill_data.py --out configs/experiment/data/skills4_late_angle --seed 0 \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper --late unit \\
-        --late_delimiters ⟨ ⟩
+        --late_delimiters ⟨ ⟩      # and --out .../skills4_late_paren --late_delimiters "((" "))"
     python scripts/make_skill_data.py --out configs/experiment/data/skills4_plain --seed 0 --format plain \\
         --skills calc upper reverse translate --n 608 --n_compositional 800 --pair calc upper
 
@@ -19,7 +19,8 @@ for `configs/experiment/gemma3_skills4.yaml` and `gemma3_skills4_k2.yaml`. The t
 four-skill files and without rewriting them, the rows of a fifth expert trained after those four: `unit.jsonl`
 (608 rows) and `compositional_late.jsonl` (800 rows, each needing `unit` and one to three of the four others),
 the test set of the composition of all five. The fourth writes those two files again with `unit`'s span in `⟨…⟩`
-(a pair of the experts' random-span pool) instead of `⟦…⟧`, every draw the same. Every file is byte for byte the same for the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
+(`skills4_late_angle`) or `((…))` (`skills4_late_paren`), pairs of the experts' random-span pool, instead of
+`⟦…⟧`, every draw the same. Every file is byte for byte the same for the same arguments: every random draw comes from a `random.Random` seeded with the seed and the file's name.
 
 The skills (`data.skills`: delimiters, draws, and a verifier per skill that checks every row written here):
 
