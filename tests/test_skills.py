@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "experiment" / "smollm2_skills4.yaml"
 CONFIG_K2 = ROOT / "configs" / "experiment" / "smollm2_skills4_k2.yaml"
 DATA = ROOT / "configs" / "experiment" / "data" / "skills4"
-DATA_ANGLE = ROOT / "configs" / "experiment" / "data" / "skills4_late_angle"  # the fifth expert's rows in ⟨ ⟩
 SKILLS = {name: make_skill(name) for name in SKILL_NAMES}
 FOUR = ("calc", "upper", "reverse", "translate")
 ARGS = ["--seed", "0", "--skills", *FOUR, "--n", "608", "--n_compositional", "800", "--pair", "calc", "upper"]
@@ -145,21 +144,26 @@ def test_generator_reproduces_the_committed_four_skill_rows(tmp_path):
     assert sorted(names) == sorted(p.name for p in DATA.glob("*.jsonl"))
 
 
-def test_late_delimiters_move_the_same_rows_to_another_pair(tmp_path):
+@pytest.mark.parametrize("folder, start, end", [("skills4_late_angle", "⟨", "⟩"), ("skills4_late_paren", "((", "))")])
+def test_late_delimiters_move_the_same_rows_to_another_pair(tmp_path, folder, start, end):
     from scripts.make_skill_data import main
 
-    main(["--out", str(tmp_path / "angle"), *ARGS, "--late", "unit", "--late_delimiters", "⟨", "⟩"])
-    moved = replace(SKILLS["unit"], start="⟨", end="⟩")
+    main(["--out", str(tmp_path / "moved"), *ARGS, "--late", "unit", "--late_delimiters", start, end])
+    moved = replace(SKILLS["unit"], start=start, end=end)
     skills = [*(SKILLS[name] for name in FOUR), moved]
     for name in LATE_FILES:
-        written = (tmp_path / "angle" / name).read_text(encoding="utf-8")
-        assert written.encode() == (DATA_ANGLE / name).read_bytes(), name
+        written = (tmp_path / "moved" / name).read_text(encoding="utf-8")
+        assert written.encode() == (DATA.parent / folder / name).read_bytes(), name
         # the same draws: only the late skill's delimiters differ from the committed rows
-        assert written.replace("⟨", "⟦").replace("⟩", "⟧") == (DATA / name).read_text(encoding="utf-8")
-        for n, (line, answer) in enumerate(read(tmp_path / "angle" / name), 1):
+        assert written.replace(start, "⟦").replace(end, "⟧") == (DATA / name).read_text(encoding="utf-8")
+        for n, (line, answer) in enumerate(read(tmp_path / "moved" / name), 1):
             check_row(skills, line, answer, f"{name} row {n}")
             assert moved.spans(line) and "⟦" not in line + answer
-    # a pair one of the others owns is refused before anything is written
+
+
+def test_late_delimiters_of_another_skill_are_refused_before_writing(tmp_path):
+    from scripts.make_skill_data import main
+
     with pytest.raises(SystemExit, match=r"^make_skill_data: skills 'upper' and 'unit' share the delimiter '\['"):
         main(["--out", str(tmp_path / "bad"), *ARGS, "--late", "unit", "--late_delimiters", "[", ")"])
     assert not (tmp_path / "bad").exists()
