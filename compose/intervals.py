@@ -315,6 +315,21 @@ def token_decoder(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def byte_piece_delimiters(spec: IntervalSpec | Mapping[str, Any], tokenizer) -> list[str]:
+    """The delimiters of a literal ``spec`` that ``tokenizer`` writes with byte pieces: tokens that are no text
+    on their own (SmolLM2 writes ``⟦`` as three byte-level tokens, the last shared by every character of its
+    Unicode block and by ``é``'s second byte). Under the product rule such a delimiter is fragile: where the
+    background is sure of the last piece, each expert's small rise of a sibling piece multiplies with the
+    others' (docs/results/skills4.md, a fifth expert: soft composition 0.05 with ``⟦…⟧`` or ``⟨…⟩``, 0.65 with
+    ``((…))``). A regex spec returns nothing."""
+    spec = IntervalSpec.from_dict(spec) if isinstance(spec, Mapping) else spec
+    if spec.regex:
+        return []
+    decode = token_decoder(tokenizer)
+    return [d for d in dict.fromkeys((spec.start, spec.end))
+            if any("\ufffd" in decode([i]) for i in tokenizer.encode(d, add_special_tokens=False))]
+
+
 class IncrementalDetokenizer:
     """Text of a growing token sequence, emitted piece by piece (HF/vLLM ``prefix_offset``/``read_offset``).
 

@@ -16,6 +16,7 @@ from compose.intervals import (
     IntervalSpec,
     IntervalTracker,
     StoppingTimeDetector,
+    byte_piece_delimiters,
     check_balanced,
     interval_char_spans,
     open_states,
@@ -281,3 +282,14 @@ def test_detokenizer_invalid_bytes_are_flushed(bpe):
     assert len(detok.ids) - detok.prefix_offset <= 2 * MAX_PENDING_TOKENS
     a = bpe.convert_tokens_to_ids("a")
     assert detok.push(a) == "a"
+
+
+def test_byte_piece_delimiters(bpe):
+    """Delimiters the tokenizer can only write with byte pieces ('→', '∑' stay split in `bpe`) are named; whole
+    tokens ('<<', '€' merged) and regex specs are not."""
+    assert [bpe.decode([i]) for i in bpe.encode("→", add_special_tokens=False)].count("\ufffd") >= 1
+    assert byte_piece_delimiters(IntervalSpec("→", "∑"), bpe) == ["→", "∑"]
+    assert byte_piece_delimiters({"start": "<<", "end": "→"}, bpe) == ["→"]
+    assert byte_piece_delimiters(IntervalSpec("<<", ">>"), bpe) == []
+    assert byte_piece_delimiters(IntervalSpec("[", "€"), bpe) == []
+    assert byte_piece_delimiters(IntervalSpec("→", "∑", regex=True), bpe) == []

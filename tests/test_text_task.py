@@ -82,6 +82,17 @@ def make_task(tok, cfg: TextConfig | None = None, exps: list[Expert] | None = No
     return TextTask(cfg or config(), experts() if exps is None else exps, tokenizer=tok, **kw)
 
 
+def test_delimiters_written_with_byte_pieces_are_noted(tok, tmp_path):
+    """`⟦`/`⟧` are byte pieces to the fixture tokenizer (never in its corpus): the task notes the expert."""
+    rows = Path(fixture("calc.jsonl")).read_text().replace("<<", "⟦").replace(">>", "⟧")
+    (tmp_path / "calc.jsonl").write_text(rows)
+    task = make_task(tok, exps=[Expert("calc", {"interval": {"start": "⟦", "end": "⟧"}},
+                                       data=(str(tmp_path / "calc.jsonl"),)), experts()[1]])
+    noted = [n for n in task.notes if "byte pieces" in n]
+    assert len(noted) == 1 and noted[0].startswith("expert 'calc': the tokenizer writes '⟦', '⟧' with byte pieces")
+    assert not any("byte pieces" in n for n in make_task(tok).notes)
+
+
 @pytest.fixture(scope="module")
 def task(tok) -> TextTask:
     return make_task(tok, reg_data="own+background")

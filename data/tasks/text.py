@@ -33,7 +33,13 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from compose.intervals import IntervalSpec, check_balanced, interval_char_spans, token_interval_mask
+from compose.intervals import (
+    IntervalSpec,
+    byte_piece_delimiters,
+    check_balanced,
+    interval_char_spans,
+    token_interval_mask,
+)
 from compose.metrics import ExactMatch
 from compose.operator import compose_logprobs
 from data.collate import Collator, CorruptionRate
@@ -471,6 +477,7 @@ class TextTask(Task):
                 self._check_expert_rows(i, own[e.name])
         self._check_general(general)
         self._check_compositional(compositional)
+        self._note_byte_pieces()
         self.general = self._split_encode("general", general, holdout=True)
         self.compositional = self._split_encode("compositional", compositional, holdout=False)
         self.own = {name: self._split_encode(f"expert {name!r}", rows, holdout=True) for name, rows in own.items()}
@@ -488,6 +495,14 @@ class TextTask(Task):
                                 f"of its training rows ({', '.join(map(str, e.data))})")
         for ex in examples:
             _check_row_balanced(ex, spec, e.name)
+
+    def _note_byte_pieces(self) -> None:
+        """Note each expert whose delimiters the tokenizer writes with byte pieces (`byte_piece_delimiters`)."""
+        for name, spec in zip(self.expert_names, self.specs, strict=True):
+            if pieces := byte_piece_delimiters(spec, self._tokenizer):
+                self._notes.append(f"expert {name!r}: the tokenizer writes {', '.join(map(repr, pieces))} with byte "
+                                   "pieces, where a few experts' small rises of a sibling piece can overturn the "
+                                   "background under the product rule; delimiters of whole tokens compose safer")
 
     def _check_general(self, examples: Sequence[Example]) -> None:
         """General rows balance every interval (regularizer rows carry the masks); count those that hold one."""
