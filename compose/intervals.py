@@ -320,8 +320,7 @@ def byte_piece_delimiters(spec: IntervalSpec | Mapping[str, Any], tokenizer) -> 
     on their own (SmolLM2 writes ``⟦`` as three byte-level tokens, the last shared by every character of its
     Unicode block and by ``é``'s second byte). Under the product rule such a delimiter is fragile: where the
     background is sure of the last piece, each expert's small rise of a sibling piece multiplies with the
-    others' (docs/results/skills4.md, a fifth expert: soft composition 0.05 with ``⟦…⟧`` or ``⟨…⟩``, 0.65 with
-    ``((…))``). A regex spec returns nothing."""
+    others' (docs/results/skills4.md, the fifth expert's delimiter). A regex spec returns nothing."""
     spec = IntervalSpec.from_dict(spec) if isinstance(spec, Mapping) else spec
     if spec.regex:
         return []

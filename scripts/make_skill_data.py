@@ -301,6 +301,10 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
         raise SkillError("--late_delimiters needs --late")
     every = [*skills, *([late] if late is not None else [])]
     check_skills(every)
+    moved = None if late_delimiters is None else dataclasses.replace(late, start=late_delimiters[0],
+                                                                      end=late_delimiters[1])
+    if moved is not None:
+        check_skills([*skills, moved])
     by_name = {s.name: s for s in skills}
     unknown = [s.name for s in every if s.name not in OWN_TEMPLATES]
     if unknown:
@@ -320,13 +324,10 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
         files = {late.name: make_rows(late.name, n, seed, with_late, seen),
                  "compositional_late": make_rows("compositional_late", n_compositional, seed, with_late, seen,
                                                  late.name)}
-        if late_delimiters is not None:
-            moved = dataclasses.replace(late, start=late_delimiters[0], end=late_delimiters[1])
-            check_skills([*skills, moved])
-            swap = str.maketrans({late.start: moved.start, late.end: moved.end}) if len(late.start) == len(
-                late.end) == 1 else None
+        if moved is not None:  # the templates write the skill's own delimiters: move them in the drawn rows
             for kind, rows in files.items():
-                files[kind] = [tuple(_move(text, late, moved, swap) for text in row) for row in rows]
+                files[kind] = [tuple(text.replace(late.start, moved.start).replace(late.end, moved.end)
+                                     for text in row) for row in rows]
                 for i, (line, response) in enumerate(files[kind]):
                     check_row([*skills, moved], line, response, f"{kind}.jsonl row {i + 1}")
     out = Path(out)
@@ -335,11 +336,6 @@ def generate(out: str | Path, skills: Sequence[Skill], seed: int = 0, n: int = 2
         text = "".join(json.dumps(ROW_FORMATS[row_format](*row), ensure_ascii=False) + "\n" for row in rows)
         (out / f"{kind}.jsonl").write_text(text, encoding="utf-8")
     return {kind: len(rows) for kind, rows in files.items()}
-
-
-def _move(text: str, old: Skill, new: Skill, swap: dict | None) -> str:
-    """`text` with `old`'s delimiters written as `new`'s."""
-    return text.translate(swap) if swap else text.replace(old.start, new.start).replace(old.end, new.end)
 
 
 def measure_background(names: Sequence[str], rows: int = 40, shots: int = 4, seed: int = 0,
