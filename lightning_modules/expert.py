@@ -268,6 +268,9 @@ class ExpertLM(pl.LightningModule):
             further with its own LoRA settings; `mode="full"`: merged into the expert's copy) or full HF model
             (`mode="full"`) instead of a fresh one (`init_kind`; the pipeline checks that each fits the
             background before building this).
+        init_base: the model folder the `init_from` folders were trained against, when not the background: a
+            full model's difference from it is moved onto the background (`moved_model`); an adapter's moves as
+            it is.
         weights: composition weight per expert name (default 1).
         feature_map, owned_features: the task's token bijection and, per expert name, the features it owns
             (default: all), for `settings.regularizer="features"`.
@@ -276,7 +279,7 @@ class ExpertLM(pl.LightningModule):
     def __init__(self, background: PreTrainedModel, names: Sequence[str], settings: ExpertSettings = ExpertSettings(),
                  *, frozen_adapters: Mapping[str, str] | None = None, weights: Mapping[str, float] | None = None,
                  feature_map: FeatureMap | None = None, owned_features: Mapping[str, Sequence[str]] | None = None,
-                 init_from: Mapping[str, str] | None = None) -> None:
+                 init_from: Mapping[str, str] | None = None, init_base: str | None = None) -> None:
         super().__init__()
         if not names:
             raise ValueError("ExpertLM needs at least one expert name")
@@ -293,10 +296,11 @@ class ExpertLM(pl.LightningModule):
                 raise ValueError(f"init_from[{name!r}]={path} is a {kind} folder: it needs mode "
                                  f"{' or '.join(INIT_MODES[kind])}, got mode={settings.mode!r}")
         self.settings, self.names, self.frozen_names = settings, list(names), list(frozen_adapters or {})
-        self.init_from = init_from
+        self.init_from, self.init_base = init_from, init_base
         self.weights, self.feature_map = dict(weights or {}), feature_map
         self.save_hyperparameters({**settings.to_dict(), "names": self.names,
                                    "frozen_adapters": dict(frozen_adapters or {}), "init_from": init_from,
+                                   "init_base": init_base,
                                    "weights": self.weights,
                                    "owned_features": {k: list(v) for k, v in (owned_features or {}).items()}})
         self.background_cache = (None if settings.background_top_k is None else
@@ -349,19 +353,24 @@ class ExpertLM(pl.LightningModule):
         if head and background.get_output_embeddings().weight is background.get_input_embeddings().weight:
             raise ValueError("mode='head' needs untied input/output embeddings")
         self.background = background.eval()
-        self.experts = nn.ModuleDict({n: self._expert_copy(background, self.init_from.get(n)) for n in self.names})
+        self.experts = nn.ModuleDict({n: self._expert_copy(background, self.init_from.get(n), self.init_base)
+                                      for n in self.names})
         for expert in self.experts.values():
             for p in (expert.get_output_embeddings() if head else expert).parameters():
                 p.requires_grad_(True)
 
     @staticmethod
-    def _expert_copy(background: PreTrainedModel, init_from: str | None) -> PreTrainedModel:
-        """A full expert: a copy of the background, or the model of `init_from`, or the background with the adapter
-        of `init_from` merged in (its difference from the background then trains in full)."""
+    def _expert_copy(background: PreTrainedModel, init_from: str | None,
+                     init_base: str | None = None) -> PreTrainedModel:
+        """A full expert: a copy of the background, or the model of `init_from` (moved onto the background when it
+        was trained from `init_base`), or the background with the adapter of `init_from` merged in (its difference
+        from the background then trains in full)."""
         if init_from is None:
             return copy.deepcopy(background)
         if init_kind(init_from) == "model":
             expert = pretrained_causal_lm(init_from, dtype=background.dtype)
+            if init_base is not None:
+                expert = moved_model(expert, pretrained_causal_lm(init_base, dtype=background.dtype), background)
         else:
             expert = PeftModel.from_pretrained(copy.deepcopy(background), init_from).merge_and_unload()
         return expert
@@ -705,6 +714,17 @@ def init_kind(folder: str | Path) -> Literal["adapter", "model"]:
         return "model"
     raise ValueError(f"{folder} is neither a PEFT adapter folder (adapter_config.json) nor an HF model folder "
                      "(config.json)")
+
+
+@torch.no_grad()
+def moved_model(model: PreTrainedModel, base: PreTrainedModel, background: PreTrainedModel) -> PreTrainedModel:
+    """`background + (model − base)`, parameter by parameter: a full fine-tune's difference from the model it was
+    trained from, moved onto another background of the same shapes (a tied weight counts once)."""
+    moved = copy.deepcopy(background)
+    theirs, start = dict(model.named_parameters()), dict(base.named_parameters())
+    for name, p in moved.named_parameters():
+        p.add_(theirs[name].to(p.dtype) - start[name].to(p.dtype))
+    return moved
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

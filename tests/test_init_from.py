@@ -212,3 +212,83 @@ def test_the_form_of_init_from(plain, tmp_path):
     assert "'nobody' is not an expert" in _error(tmp_path, f"background.path={background}",
                                                   f"expert.init_from={{nobody: {adapter}}}")
     assert "needs background.path" in _error(tmp_path, f"expert.init_from={{A_to_B: {adapter}}}")
+
+
+# ---------------------------------------------------------------------- moved onto another background
+
+
+def _nudged(seed: int):
+    """A change of every weight, as tuning the background on a format would make."""
+    def change(model):
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=generator))
+        return model
+    return change
+
+
+def test_an_adapter_moves_onto_a_background_tuned_from_its_own(plain, tmp_path):
+    from lightning_modules.pipeline.build import build_expert, build_task, expert_background
+    from lightning_modules.pipeline.models import load_pretrained
+
+    out, _ = plain
+    tuned = _save_variant(out, tmp_path / "tuned", _nudged(0))
+    assert "trained on another background" in _error(tmp_path, f"background.path={tuned}", _init_from(out / "export"))
+    cfg = _config(tmp_path / "r", f"background.path={tuned}", _init_from(out / "export"),
+                  f"expert.init_base={out / 'background'}")
+    task = build_task(cfg)
+    module = build_expert(cfg, task, expert_background(cfg, tuned, task.tokenizer))
+    saved = load_file(out / "export" / "experts" / "A_to_B" / "adapter_model.safetensors")
+    ours = module.peft_model.state_dict()
+    assert all(torch.equal(ours[k.replace(".weight", ".A_to_B.weight")], v) for k, v in saved.items())
+    base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in ours.items()
+            if "lora_" not in k}
+    want = load_pretrained(tuned).state_dict()
+    assert all(torch.equal(base[k], want[k]) for k in want if k in base) and len(set(base) & set(want)) > 10
+
+
+def test_a_full_model_moves_onto_a_background_tuned_from_its_own(plain, plain_full, tmp_path):
+    from lightning_modules.pipeline.build import build_expert, build_task, expert_background
+    from lightning_modules.pipeline.models import load_pretrained
+
+    background, full = plain[0] / "background", plain_full[0] / "export"
+    tuned = _save_variant(plain[0], tmp_path / "tuned", _nudged(0))
+    cfg = _config(tmp_path / "r", f"background.path={tuned}", "expert.mode=full", _init_from(full),
+                  f"expert.init_base={background}")
+    task = build_task(cfg)
+    module = build_expert(cfg, task, expert_background(cfg, tuned, task.tokenizer))
+    start, trained, moved = (dict(m.named_parameters()) for m in (
+        load_pretrained(background), load_pretrained(full / "experts" / "A_to_B"), load_pretrained(tuned)))
+    ours = dict(module.experts["A_to_B"].named_parameters())
+    assert set(ours) == set(moved)
+    for name, p in ours.items():
+        torch.testing.assert_close(p, moved[name] + (trained[name] - start[name]), rtol=0, atol=1e-6)
+    assert any(not torch.equal(trained[n], start[n]) for n in ours)  # the fine-tune changed something to move
+
+
+def test_init_base_that_does_not_fit(plain, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out, _ = plain
+    background = out / "background"
+
+    def error(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            _config(tmp_path / "never", *overrides)
+        assert "\n" not in str(info.value) and not (tmp_path / "never").exists()
+        return str(info.value)
+
+    assert "set without expert.init_from" in error(f"background.path={background}", f"expert.init_base={background}")
+    (tmp_path / "empty").mkdir()
+    msg = error(f"background.path={background}", _init_from(out / "export"), f"expert.init_base={tmp_path / 'empty'}")
+    assert msg.startswith("expert.init_base=") and "not an HF model folder" in msg
+    theirs = json.loads((background / "config.json").read_text())
+    LlamaForCausalLM(LlamaConfig(**{**theirs, "hidden_size": 48, "head_dim": 24})).save_pretrained(tmp_path / "wider")
+    msg = error(f"background.path={background}", _init_from(out / "export"), f"expert.init_base={tmp_path / 'wider'}")
+    assert msg.startswith("expert.init_base=") and "another size of model" in msg
+    # an adapter whose recorded background is not the base named
+    other = _save_variant(out, tmp_path / "other", _nudged(1))
+    tuned = _save_variant(out, tmp_path / "tuned", _nudged(0))
+    msg = _error(tmp_path, f"background.path={tuned}", _init_from(out / "export"), f"expert.init_base={other}")
+    assert "trained on another background" in msg and f"than expert.init_base={other}" in msg

@@ -201,6 +201,10 @@ class ExpertTrainingConfig:
     # keeps its own LoRA settings under expert.mode=lora (merged into the copy under full); a full model needs
     # expert.mode=full. Needs background.path: each folder must fit that background.
     init_from: Any = None
+    # The model the init_from folders were trained against, when it is not background.path (e.g. smollm2, the
+    # public model, under a background tuned from it): their difference from it moves onto the background (an
+    # adapter as it is; a full model as background + (model - init_base)). Same architecture and shapes.
+    init_base: str | None = None
 
 
 @dataclass

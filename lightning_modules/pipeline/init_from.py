@@ -7,6 +7,10 @@ they are recorded (the adapter lies in an export whose manifest records its back
 `base_model_name_or_path` is a local folder), else by architecture and shapes: every module it adapts exists in
 the background with the shapes its weights have. A full model fits when its architecture, vocabulary and weight
 shapes are the background's. Every failure is a one-line `ConfigError` naming `expert.init_from` and the folder.
+
+`expert.init_base` names the model the folders were trained against when it is not the background (experts
+fine-tuned on a public model, moved onto a background tuned from it): adapters are then checked against it where
+their background is recorded, and every folder and the base itself must have the background's shapes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ def check_init_from(cfg: DictConfig) -> None:
     """Each `expert.init_from` folder is an adapter or a model that fits the run's background and `expert.mode`."""
     folders = init_from_folders(cfg)
     if not folders:
+        if cfg.expert.init_base:
+            raise ConfigError(f"expert.init_base={cfg.expert.init_base}: set without {KEY} (it names the model the "
+                              f"{KEY} folders were trained against)")
         return
     if not cfg.background.path:
         raise ConfigError(f"{KEY} needs background.path: the background the adapter or model was trained against, "
@@ -59,6 +66,12 @@ def check_init_from(cfg: DictConfig) -> None:
     background = pretrained_folder(cfg.background.path, "background.path")
     if not (background / "config.json").is_file():
         return  # load_pretrained names the missing background (stages.plan_run)
+    base = init_base_folder(cfg)
+    if base is not None:
+        where = f"expert.init_base={cfg.expert.init_base}"
+        if not (base / "config.json").is_file():
+            raise ConfigError(f"{where}: not an HF model folder (config.json)")
+        check_model(base, background, where)
     for name, folder in folders.items():
         where = f"{KEY}" + (f".{name}" if not isinstance(cfg.expert.init_from, str) else "") + f"={folder}"
         try:
@@ -71,16 +84,26 @@ def check_init_from(cfg: DictConfig) -> None:
                               f"expert of expert.mode={' or '.join(INIT_MODES[kind])}, got expert.mode="
                               f"{cfg.expert.mode}")
         if kind == "adapter":
-            check_adapter(folder, background, where)
+            check_adapter(folder, background, where, trained_on=base)
         else:
             check_model(folder, background, where)
+
+
+def init_base_folder(cfg: DictConfig) -> Path | None:
+    """The HF folder of `expert.init_base` (a name such as `smollm2` converted as `background.path` is), or None."""
+    if not cfg.expert.init_base:
+        return None
+    from lightning_modules.pipeline.models import pretrained_folder
+
+    return pretrained_folder(cfg.expert.init_base, "expert.init_base")
 
 
 # ---------------------------------------------------------------------- adapters
 
 
-def check_adapter(folder: Path, background: Path, where: str) -> None:
-    """A LoRA adapter folder trained on `background` (checksums where recorded, else module names and shapes)."""
+def check_adapter(folder: Path, background: Path, where: str, trained_on: Path | None = None) -> None:
+    """A LoRA adapter folder trained on `trained_on` (default: `background`; by checksums where recorded) whose
+    modules and shapes fit `background`."""
     config = _read_json(folder / "adapter_config.json", where)
     if config.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{where}: a {config.get('peft_type')} adapter; only LoRA adapters start an expert")
@@ -89,8 +112,10 @@ def check_adapter(folder: Path, background: Path, where: str) -> None:
     recorded = _recorded_background(folder, config.get("base_model_name_or_path"))
     if recorded is not None:
         source, files = recorded
-        if not _same_weights(files, _weight_files(background)):
-            raise ConfigError(f"{where}: trained on another background ({source}) than background.path={background}")
+        expected = trained_on or background
+        if not _same_weights(files, _weight_files(expected)):
+            said = f"expert.init_base={expected}" if trained_on else f"background.path={background}"
+            raise ConfigError(f"{where}: trained on another background ({source}) than {said}")
     _check_adapter_shapes(folder, background, where)
 
 
