@@ -47,10 +47,11 @@ def _init_from(export: Path) -> str:
     return f"expert.init_from={{A_to_B: {export / 'experts/A_to_B'}, C_to_D: {export / 'experts/C_to_D'}}}"
 
 
-def test_an_unregularized_adapter_trained_further_with_the_regularizer_keeps_its_skill(plain, tmp_path):
+def test_an_unregularized_adapter_trained_further_with_the_regularizer_keeps_its_skill(plain, tmp_path, capsys):
     out, before = plain
     after = _run(tmp_path / "repaired", f"background.path={out / 'background'}", _init_from(out / "export"),
                  "expert.reg_weight=3")
+    assert f"[experts] A_to_B starts from {out / 'export/experts/A_to_B'}" in capsys.readouterr().out
     for name in ("A_to_B", "C_to_D"):
         b, a = before["experts"][name], after["experts"][name]
         assert b["exact_match"] >= 0.9  # the skill is there to keep

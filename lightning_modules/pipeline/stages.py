@@ -472,6 +472,9 @@ def experts_stage(cfg: DictConfig, plan: Plan, background_path: Path) -> ExpertL
         f", ×{e.reg_at_open} where spans open" if e.reg_at_open != 1 else "")
     print(f"[experts] {', '.join(plan.trained)}: {e.mode}, λ={e.reg_weight} ({e.divergence}, T={e.temperature}"
           f"{weights}), reg data={e.reg_data}, {e.max_steps} steps, corruption ρ={e.corruption_prob}")
+    for name, folder in module.init_from.items():
+        print(f"[experts] {name} starts from {folder}"
+              + (f" (trained on {e.init_base}, moved onto the background)" if e.init_base else ""))
     callbacks = [
         CompositionEvaluation(plan.task, batch_size=c.eval_batch_size, limit=c.val_limit,
                               active_threshold=c.active_threshold),
