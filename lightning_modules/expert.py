@@ -718,13 +718,13 @@ def init_kind(folder: str | Path) -> Literal["adapter", "model"]:
 
 @torch.no_grad()
 def moved_model(model: PreTrainedModel, base: PreTrainedModel, background: PreTrainedModel) -> PreTrainedModel:
-    """`background + (model − base)`, parameter by parameter: a full fine-tune's difference from the model it was
-    trained from, moved onto another background of the same shapes (a tied weight counts once)."""
-    moved = copy.deepcopy(background)
-    theirs, start = dict(model.named_parameters()), dict(base.named_parameters())
-    for name, p in moved.named_parameters():
-        p.add_(theirs[name].to(p.dtype) - start[name].to(p.dtype))
-    return moved
+    """`background + (model − base)`, parameter by parameter, written into `model` (no further copy): a full
+    fine-tune's difference from the model it was trained from, moved onto another background of the same shapes
+    (a tied weight counts once)."""
+    start, onto = dict(base.named_parameters()), dict(background.named_parameters())
+    for name, p in model.named_parameters():
+        p.add_(onto[name].to(p.dtype) - start[name].to(p.dtype))
+    return model
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

@@ -162,9 +162,10 @@ def build_expert(cfg: DictConfig, task: Task, background: Any, *, frozen_adapter
     from lightning_modules.expert import ExpertLM
     from lightning_modules.pipeline.init_from import init_base_folder, init_from_folders
 
+    base = init_base_folder(cfg)
     return (module_class or ExpertLM)(
         background, task.trained, settings or expert_settings(cfg), frozen_adapters=frozen_adapters,
         weights={e.name: e.weight for e in task.experts}, feature_map=task.feature_map,
         owned_features={n: task.owned_features(n) for n in task.trained},
         init_from={n: str(path) for n, path in init_from_folders(cfg).items() if n in task.trained},
-        init_base=str(init_base_folder(cfg)) if cfg.expert.init_base else None)
+        init_base=None if base is None else str(base))
