@@ -213,6 +213,10 @@ def test_the_form_of_init_from(plain, tmp_path):
     assert "'nobody' is not an expert" in _error(tmp_path, f"background.path={background}",
                                                   f"expert.init_from={{nobody: {adapter}}}")
     assert "needs background.path" in _error(tmp_path, f"expert.init_from={{A_to_B: {adapter}}}")
+    # with init_base, the background may be tuned in the same run: the folders are checked against the model it
+    # starts from
+    assert "needs background.path" in _error(tmp_path, f"expert.init_from={{A_to_B: {adapter}}}",
+                                             f"expert.init_base={background}")
 
 
 # ---------------------------------------------------------------------- moved onto another background
@@ -287,6 +291,13 @@ def test_init_base_that_does_not_fit(plain, tmp_path):
     theirs = json.loads((background / "config.json").read_text())
     LlamaForCausalLM(LlamaConfig(**{**theirs, "hidden_size": 48, "head_dim": 24})).save_pretrained(tmp_path / "wider")
     msg = error(f"background.path={background}", _init_from(out / "export"), f"expert.init_base={tmp_path / 'wider'}")
+    assert msg.startswith("expert.init_base=") and "another size of model" in msg
+    # a background tuned in this run from model.pretrained_path: the folders and the base must fit that model
+    cfg = _config(tmp_path / "r", f"model.pretrained_path={background}", _init_from(out / "export"),
+                  f"expert.init_base={background}")
+    assert cfg.background.path is None and cfg.expert.init_base == str(background)
+    msg = error(f"model.pretrained_path={tmp_path / 'wider'}", _init_from(out / "export"),
+                f"expert.init_base={background}")
     assert msg.startswith("expert.init_base=") and "another size of model" in msg
     # an adapter whose recorded background is not the base named
     other = _save_variant(out, tmp_path / "other", _nudged(1))

@@ -9,8 +9,9 @@ the background with the shapes its weights have. A full model fits when its arch
 shapes are the background's. Every failure is a one-line `ConfigError` naming `expert.init_from` and the folder.
 
 `expert.init_base` names the model the folders were trained against when it is not the background (experts
-fine-tuned on a public model, moved onto a background tuned from it): adapters are then checked against it where
-their background is recorded, and every folder and the base itself must have the background's shapes.
+fine-tuned on a public model, moved onto a background tuned from it, given as `background.path` or tuned in the
+same run from `model.pretrained_path`): adapters are then checked against it where their background is recorded,
+and every folder and the base itself must have the background's shapes.
 """
 
 from __future__ import annotations
@@ -58,12 +59,18 @@ def check_init_from(cfg: DictConfig) -> None:
             raise ConfigError(f"expert.init_base={cfg.expert.init_base}: set without {KEY} (it names the model the "
                               f"{KEY} folders were trained against)")
         return
-    if not cfg.background.path:
-        raise ConfigError(f"{KEY} needs background.path: the background the adapter or model was trained against, "
-                          "kept as it is (a background trained in this run could fit no existing expert)")
     from lightning_modules.pipeline.models import pretrained_folder
 
-    background = pretrained_folder(cfg.background.path, "background.path")
+    if cfg.background.path:
+        background = pretrained_folder(cfg.background.path, "background.path")
+    elif cfg.expert.init_base and cfg.model.pretrained_path:
+        # the background is tuned in this run from model.pretrained_path and the folders move onto it: they must
+        # fit the model it starts from
+        background = pretrained_folder(cfg.model.pretrained_path, "model.pretrained_path")
+    else:
+        raise ConfigError(f"{KEY} needs background.path (the background the adapter or model was trained against, "
+                          "kept as it is) or expert.init_base with a background tuned in this run from "
+                          "model.pretrained_path: a background trained from scratch fits no existing expert")
     if not (background / "config.json").is_file():
         return  # load_pretrained names the missing background (stages.plan_run)
     base = init_base_folder(cfg)
