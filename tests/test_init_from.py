@@ -213,8 +213,8 @@ def test_the_form_of_init_from(plain, tmp_path):
     assert "'nobody' is not an expert" in _error(tmp_path, f"background.path={background}",
                                                   f"expert.init_from={{nobody: {adapter}}}")
     assert "needs background.path" in _error(tmp_path, f"expert.init_from={{A_to_B: {adapter}}}")
-    # with init_base, the background may be tuned in the same run: the folders are checked against the model it
-    # starts from
+    # init_base lets a run tune its background, but only from model.pretrained_path: one trained from scratch (as
+    # here) fits no existing expert
     assert "needs background.path" in _error(tmp_path, f"expert.init_from={{A_to_B: {adapter}}}",
                                              f"expert.init_base={background}")
 
